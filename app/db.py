@@ -1,0 +1,89 @@
+"""Database engine, the declarative Base and the session dependency."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import Depends
+from sqlalchemy import MetaData, create_engine, event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+from app.settings import settings
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        eng = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(eng, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):  # several processes share the file
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return eng
+    return create_engine(url, pool_pre_ping=True)
+
+
+_engine: Engine | None = None
+_factory: sessionmaker[Session] | None = None
+
+
+def get_engine() -> Engine:
+    global _engine, _factory
+    if _engine is None:
+        if settings.sqlalchemy_url.startswith("sqlite"):
+            settings.data_dir.mkdir(parents=True, exist_ok=True)
+        _engine = make_engine(settings.sqlalchemy_url)
+        _factory = sessionmaker(_engine, expire_on_commit=False)
+    return _engine
+
+
+def session_factory() -> sessionmaker[Session]:
+    get_engine()
+    assert _factory is not None
+    return _factory
+
+
+@contextmanager
+def session_scope() -> Iterator[Session]:
+    """A unit of work outside a request (tasks, CLI): commit on success, else roll back."""
+    session = session_factory()()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def get_session() -> Iterator[Session]:
+    with session_scope() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]

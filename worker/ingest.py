@@ -1,0 +1,91 @@
+"""Extract one uploaded document and record the outcome on its row.
+
+The extracted text lives next to the original in the documents folder:
+`<stored_name>.txt` (plain text) and `<stored_name>.qa.json` (question-answer pairs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from app.db import session_scope, utcnow
+from app.models import DocStatus, Document
+from app.settings import settings
+from worker.corpus import SourceDoc
+from worker.extract import ExtractionError, extract
+
+log = logging.getLogger(__name__)
+
+INTERNAL_ERROR = (
+    "DocTune could not read this file because of an internal error. "
+    "Try saving it again (or as PDF) and upload it once more."
+)
+
+
+def text_path(stored_name: str) -> Path:
+    return settings.documents_dir / f"{stored_name}.txt"
+
+
+def qa_path(stored_name: str) -> Path:
+    return settings.documents_dir / f"{stored_name}.qa.json"
+
+
+def _write_atomic(path: Path, data: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(data, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def ingest_document(doc_id: int) -> str | None:
+    """Extract document `doc_id` if still pending; returns its new status (None: nothing to do)."""
+    with session_scope() as session:
+        doc = session.get(Document, doc_id)
+        if doc is None or doc.status != DocStatus.pending:
+            return None
+        stored_name, kind = doc.stored_name, doc.kind
+
+    status, error, fields = DocStatus.extracted, None, {}
+    try:
+        result = extract(settings.documents_dir / stored_name, kind)
+        _write_atomic(text_path(stored_name), result.text)
+        _write_atomic(qa_path(stored_name), json.dumps(result.qa_pairs, ensure_ascii=False))
+        fields = {
+            "word_count": result.word_count,
+            "qa_count": len(result.qa_pairs),
+            "preview": result.preview(),
+        }
+    except ExtractionError as exc:
+        status, error = DocStatus.failed, str(exc)
+    except Exception:  # a library bug must not take the worker down or leave "pending"
+        log.exception("extraction of document %s failed", doc_id)
+        status, error = DocStatus.failed, INTERNAL_ERROR
+
+    with session_scope() as session:
+        doc = session.get(Document, doc_id)
+        if doc is None:  # deleted meanwhile
+            return None
+        doc.status, doc.error, doc.extracted_at = status, error, utcnow()
+        for key, value in fields.items():
+            setattr(doc, key, value)
+    return status
+
+
+def load_source_docs(session: Session, doc_ids: list[int]) -> list[SourceDoc]:
+    """The extracted documents `doc_ids` as training input (missing or failed ones skipped)."""
+    docs: list[SourceDoc] = []
+    for doc_id in doc_ids:
+        doc = session.get(Document, doc_id)
+        if doc is None or doc.status != DocStatus.extracted:
+            continue
+        try:
+            text = text_path(doc.stored_name).read_text(encoding="utf-8")
+            pairs = json.loads(qa_path(doc.stored_name).read_text(encoding="utf-8"))
+        except OSError:
+            log.warning("extracted text of document %s is missing; skipped", doc_id)
+            continue
+        docs.append(SourceDoc(doc.original_name, doc.sha256, text, [tuple(p) for p in pairs]))
+    return docs

@@ -1,0 +1,20 @@
+"""Celery tasks: thin wrappers that take ids and open their own sessions."""
+
+from __future__ import annotations
+
+from app.queue import INGEST_TASK, TRAIN_TASK
+from worker.celery_app import celery
+
+
+@celery.task(name=INGEST_TASK)
+def ingest_document(doc_id: int) -> str | None:
+    from worker.ingest import ingest_document as run
+
+    return run(doc_id)
+
+
+@celery.task(name=TRAIN_TASK, bind=True)
+def train_job(self, job_id: int) -> str | None:
+    from worker.jobs import run_job
+
+    return run_job(job_id, node=self.request.hostname)
