@@ -39,6 +39,9 @@ def make_celery(name: str = "doctune") -> Celery:
 celery_client = make_celery()
 
 _PENDING = "doctune_pending_tasks"
+# A session with this key in .info collects its committed tasks in that list instead of
+# sending them: the headless CLI runs the very same services, then the tasks in-process.
+INLINE = "doctune_inline_tasks"
 
 
 def enqueue_after_commit(session: Session, task: str, *args: object) -> None:
@@ -49,7 +52,10 @@ def enqueue_after_commit(session: Session, task: str, *args: object) -> None:
 @event.listens_for(Session, "after_commit")
 def _send_pending(session: Session) -> None:
     for task, args in session.info.pop(_PENDING, []):
-        celery_client.send_task(task, args=list(args))
+        if INLINE in session.info:
+            session.info[INLINE].append((task, args))
+        else:
+            celery_client.send_task(task, args=list(args))
 
 
 @event.listens_for(Session, "after_soft_rollback")
