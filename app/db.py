@@ -86,4 +86,6 @@ def get_session() -> Iterator[Session]:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": commit (or roll back) before the response is sent, so a redirect never
+# reaches a row that is not committed yet and a failed commit is reported, not swallowed.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]

@@ -1,0 +1,1 @@
+"""HTTP routes: `pages` (HTML and htmx fragments) and `api` (a small JSON API)."""

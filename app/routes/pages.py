@@ -1,0 +1,239 @@
+"""HTML pages. Each route parses the request, calls a service, and renders a page or,
+for htmx, only the blocks the page asked for (see templating.render)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Form, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse, RedirectResponse, Response
+from starlette.requests import ClientDisconnect
+
+from app.db import SessionDep
+from app.filetypes import ACCEPT_ATTRIBUTE, SUPPORTED_LABEL
+from app.models import Job, JobState, Project
+from app.services import documents as documents_service
+from app.services import jobs as jobs_service
+from app.services import projects as projects_service
+from app.services.errors import InvalidInput
+from app.services.uploads import UploadRejected, check_content_length, receive_files
+from app.settings import settings
+from app.training_defaults import LIMITS
+
+from .templating import hx_target, is_htmx, render
+
+router = APIRouter()
+
+
+# Projects
+
+
+@router.get("/", name="index")
+def index(request: Request, session: SessionDep) -> Response:
+    projects = projects_service.list_projects(session)
+    return render(request, "index.html", {"projects": projects, "errors": {}, "name": ""})
+
+
+@router.post("/projects", name="create_project")
+def create_project(
+    request: Request, session: SessionDep, name: Annotated[str, Form()] = ""
+) -> Response:
+    try:
+        project = projects_service.create_project(session, name)
+    except InvalidInput as exc:
+        context = {
+            "projects": projects_service.list_projects(session),
+            "errors": exc.errors,
+            "name": name,
+        }
+        return render(request, "index.html", context, status_code=422)
+    return RedirectResponse(f"/projects/{project.id}", status_code=303)
+
+
+_FIELD_TEXT = {
+    "epochs": ("Epochs", "How many times training reads all your documents"),
+    "learning_rate": (
+        "Learning rate",
+        "How big each learning step is; too high can make the model forget",
+    ),
+    "lora_rank": ("LoRA rank", "Size of the LoRA add-on; higher can hold more (LoRA only)"),
+    "max_seq_len": (
+        "Max sequence length",
+        "Tokens the model reads at once; longer needs more memory",
+    ),
+}
+
+
+def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
+    corpus = projects_service.corpus_of(project)
+    defaults = jobs_service.defaults_for(corpus, "lora")
+    fields = {}
+    fmt = jobs_service.format_number
+    for name, (label, hint) in _FIELD_TEXT.items():
+        low, high = LIMITS[name]
+        fields[name] = {
+            "label": label,
+            "hint": f"{hint} ({fmt(low)} to {fmt(high)}).",
+            "placeholder": f"{jobs_service.format_number(defaults[name])} (default)",
+        }
+    jobs = jobs_service.job_rows(project)
+    context: dict[str, Any] = {
+        "project": project,
+        "corpus": corpus,
+        "docs": documents_service.document_rows(project),
+        "reason": jobs_service.readiness(corpus),
+        "defaults": defaults,
+        "defaults_full": jobs_service.defaults_for(corpus, "full"),
+        "fields": fields,
+        "train_errors": {},
+        "train_values": {},
+        "jobs": jobs,
+        "n_active_jobs": sum(1 for row in jobs if row.active),
+        "outcomes": [],
+        "upload_error": None,
+        "supported_label": SUPPORTED_LABEL,
+        "accept": ACCEPT_ATTRIBUTE,
+        "max_upload_mb": settings.max_upload_mb,
+        "max_files": settings.max_files_per_upload,
+        "oob_documents": False,
+        "oob_train": False,
+    }
+    context.update(extra)
+    return context
+
+
+@router.get("/projects/{project_id}", name="project")
+def project_page(request: Request, project_id: int, session: SessionDep) -> Response:
+    project = projects_service.get_project(session, project_id)
+    context = _project_context(project)
+    target = hx_target(request)
+    blocks = None
+    if target == "documents":
+        blocks = ["documents"]
+        if not context["corpus"].n_pending:  # the last poll: the Train button may now be usable
+            blocks.append("train")
+            context["oob_train"] = True
+    elif target == "jobs":
+        blocks = ["jobs"]
+    return render(request, "project.html", context, blocks=blocks)
+
+
+@router.post("/projects/{project_id}/documents", name="upload")
+async def upload(request: Request, project_id: int, session: SessionDep) -> Response:
+    """Files from the drop zone or the file picker: each one accepted, a duplicate, or refused."""
+    project = await run_in_threadpool(projects_service.get_project, session, project_id)
+    try:
+        check_content_length(
+            request.headers.get("content-length"),
+            max_file_bytes=settings.max_upload_bytes,
+            max_files=settings.max_files_per_upload,
+        )
+        received = await receive_files(
+            request.stream(),
+            request.headers.get("content-type"),
+            dest_dir=settings.documents_dir,
+            max_file_bytes=settings.max_upload_bytes,
+            max_files=settings.max_files_per_upload,
+        )
+    except ClientDisconnect:
+        return Response(status_code=400)  # the browser went away; receive_files cleaned up
+    except UploadRejected as exc:
+        context = await run_in_threadpool(_project_context, project, upload_error=exc.message)
+        return render(
+            request, "project.html", context, blocks=["upload_results"], status_code=exc.status_code
+        )
+    if not received:
+        context = await run_in_threadpool(
+            _project_context,
+            project,
+            upload_error="No files were chosen. Please pick at least one.",
+        )
+        return render(request, "project.html", context, blocks=["upload_results"], status_code=422)
+    outcomes = await run_in_threadpool(
+        documents_service.register_uploads, session, project, received
+    )
+    context = await run_in_threadpool(
+        _project_context, project, outcomes=outcomes, oob_documents=True, oob_train=True
+    )
+    return render(request, "project.html", context, blocks=["upload_results", "documents", "train"])
+
+
+@router.post("/projects/{project_id}/jobs", name="start_training")
+def start_training(
+    request: Request,
+    project_id: int,
+    session: SessionDep,
+    method: Annotated[str, Form()] = "lora",
+    epochs: Annotated[str, Form()] = "",
+    learning_rate: Annotated[str, Form()] = "",
+    lora_rank: Annotated[str, Form()] = "",
+    max_seq_len: Annotated[str, Form()] = "",
+) -> Response:
+    project = projects_service.get_project(session, project_id)
+    values = {
+        "method": method,
+        "epochs": epochs,
+        "learning_rate": learning_rate,
+        "lora_rank": lora_rank,
+        "max_seq_len": max_seq_len,
+    }
+    try:
+        job = jobs_service.create_job(session, project, values)
+    except InvalidInput as exc:
+        context = _project_context(project, train_errors=exc.errors, train_values=values)
+        return render(request, "project.html", context, status_code=422)
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+# Jobs
+
+
+def _job_context(job: Job) -> dict[str, Any]:
+    finished = JobState(job.state).finished
+    percent = 0
+    if job.total_steps:
+        percent = min(100, round(100 * job.step / job.total_steps))
+    artifacts = job.artifacts or {}
+    return {
+        "job": job,
+        "label": jobs_service.job_state_label(job),
+        "finished": finished,
+        "percent": percent,
+        "chart": jobs_service.loss_chart(job.loss_history, job.total_steps),
+        "card": jobs_service.score_card(job.scores) if job.state == JobState.done else None,
+        "downloads": [
+            (kind, label)
+            for kind, label in jobs_service.ARTIFACT_LABELS.items()
+            if artifacts.get(kind)
+        ],
+        "sources": [
+            documents_service.display_name(str(s.get("name", ""))) for s in job.sources or []
+        ],
+    }
+
+
+@router.get("/jobs/{job_id}", name="job")
+def job_page(request: Request, job_id: int, session: SessionDep) -> Response:
+    job = jobs_service.get_job(session, job_id)
+    blocks = ["live"] if hx_target(request) == "job-live" else None
+    return render(request, "job.html", _job_context(job), blocks=blocks)
+
+
+@router.post("/jobs/{job_id}/cancel", name="cancel_job")
+def cancel_job(request: Request, job_id: int, session: SessionDep) -> Response:
+    job = jobs_service.get_job(session, job_id)
+    jobs_service.request_cancel(session, job)
+    if is_htmx(request):
+        return render(request, "job.html", _job_context(job), blocks=["live"])
+    return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+@router.get("/jobs/{job_id}/download/{kind}", name="download")
+def download(job_id: int, kind: str, session: SessionDep) -> FileResponse:
+    """The zip streamed from disk in chunks (FileResponse), with a readable file name."""
+    job = jobs_service.get_job(session, job_id)
+    path = jobs_service.artifact_file(job, kind)
+    return FileResponse(
+        path, media_type="application/zip", filename=jobs_service.download_filename(job, kind)
+    )

@@ -1,0 +1,401 @@
+"""Training jobs: starting one, cancelling it, and turning its row into what the page shows.
+
+The worker owns a job once it is queued: it moves `state`, writes progress, scores and
+artifacts. The web side only creates the row, asks for cancellation, and reads."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from app.models import Job, JobState, Project
+from app.queue import TRAIN_TASK, enqueue_after_commit
+from app.services.errors import InvalidInput, NotFound
+from app.services.projects import Corpus, corpus_of
+from app.settings import settings
+from app.training_defaults import LIMITS, METHODS, default_params
+
+METHOD_LABELS = {"lora": "LoRA (small add-on, fast)", "full": "Full fine-tuning (all weights)"}
+ARTIFACT_LABELS = {"adapter": "LoRA adapter (.zip)", "merged": "Merged model (.zip)"}
+
+# The Advanced form: field -> (label, whole number?)
+ADVANCED_FIELDS: dict[str, tuple[str, bool]] = {
+    "epochs": ("Epochs", True),
+    "learning_rate": ("Learning rate", False),
+    "lora_rank": ("LoRA rank", True),
+    "max_seq_len": ("Max sequence length", True),
+}
+
+
+# Starting a job
+
+
+def readiness(corpus: Corpus) -> str | None:
+    """Why training cannot start now, in plain words; None when it can."""
+    if corpus.n_documents == 0:
+        return "Add documents first: there is nothing to learn from yet."
+    if corpus.n_pending:
+        n = corpus.n_pending
+        return f"Please wait: {n} document{'s are' if n != 1 else ' is'} still being read."
+    if corpus.n_extracted == 0:
+        return "None of the documents gave usable text. Add documents that contain text."
+    if corpus.n_words == 0 and corpus.n_qa == 0:
+        return "The documents were read but contain no text to learn from."
+    return None
+
+
+def defaults_for(corpus: Corpus, method: str = "lora") -> dict[str, Any]:
+    return default_params(corpus.n_words, corpus.n_qa, method)
+
+
+def format_number(value: Any) -> str:
+    """A setting as a person would type it: 0.0002 rather than 2e-04."""
+    if isinstance(value, float):
+        if value == 0 or not math.isfinite(value):
+            return str(value)
+        text = f"{value:.12f}".rstrip("0").rstrip(".")
+        return text if text not in ("", "0") else f"{value:g}"
+    return str(value)
+
+
+def parse_train_form(form: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The method and the Advanced settings the user filled in (empty fields keep defaults).
+
+    Raises InvalidInput with one plain message per bad field."""
+    errors: dict[str, str] = {}
+    method = str(form.get("method") or "lora").strip().lower()
+    if method not in METHODS:
+        errors["method"] = "Please choose LoRA or full fine-tuning."
+    overrides: dict[str, Any] = {}
+    for name, (label, whole) in ADVANCED_FIELDS.items():
+        raw = str(form.get(name) or "").strip()
+        if not raw:
+            continue
+        low, high = LIMITS[name]
+        kind = "a whole number" if whole else "a number"
+        bounds = f"from {format_number(low)} to {format_number(high)}"
+        try:
+            value: float | int = float(raw.replace(",", "."))
+        except ValueError:
+            errors[name] = f"{label} must be {kind} {bounds}; “{raw[:40]}” is not."
+            continue
+        if not math.isfinite(value):
+            errors[name] = f"{label} must be {kind} {bounds}."
+            continue
+        if whole:
+            if value != int(value):
+                errors[name] = f"{label} must be {kind} {bounds}, without decimals."
+                continue
+            value = int(value)
+        if not low <= value <= high:
+            errors[name] = (
+                f"{label} must be {kind} {bounds}; {format_number(value)} is out of range."
+            )
+            continue
+        overrides[name] = value
+    if errors:
+        raise InvalidInput("Some training settings need a fix.", errors)
+    return method, overrides
+
+
+def create_job(session: Session, project: Project, form: Mapping[str, Any]) -> Job:
+    """Queue a training job on the project's extracted documents.
+
+    The row is created now (state queued); TRAIN_TASK(job id) leaves after the commit.
+    Raises InvalidInput when training cannot start or a setting is out of bounds."""
+    corpus = corpus_of(project)
+    reason = readiness(corpus)
+    if reason:
+        raise InvalidInput(reason, {"train": reason})
+    method, overrides = parse_train_form(form)
+    params = {**defaults_for(corpus, method), **overrides, "method": method}
+    job = Job(
+        project=project,
+        state=JobState.queued,
+        method=method,
+        params=params,
+        sources=[{"id": d.id, "name": d.original_name, "sha256": d.sha256} for d in corpus.usable],
+    )
+    session.add(job)
+    session.flush()
+    enqueue_after_commit(session, TRAIN_TASK, job.id)
+    return job
+
+
+# Reading and steering a job
+
+
+def get_job(session: Session, job_id: int) -> Job:
+    job = session.get(Job, job_id)
+    if job is None:
+        raise NotFound(f"There is no training job number {job_id}. It may have been deleted.")
+    return job
+
+
+def request_cancel(session: Session, job: Job) -> bool:
+    """Ask the worker to stop the job (it checks every step, or skips a queued job).
+
+    Returns False when the job had already finished, so there was nothing to cancel."""
+    if JobState(job.state).finished:
+        return False
+    job.cancel_requested = True
+    session.flush()
+    return True
+
+
+def artifact_file(job: Job, kind: str) -> Path:
+    """The zip the worker wrote for `kind`; NotFound with the reason when there is none."""
+    label = ARTIFACT_LABELS.get(kind)
+    if label is None:
+        raise NotFound("There is no such download. Choose the LoRA adapter or the merged model.")
+    raw = (job.artifacts or {}).get(kind)
+    if not raw:
+        if job.state != JobState.done:
+            raise NotFound("Downloads are ready once the training job has finished.")
+        raise NotFound(f"This job has no {label.split(' (')[0].lower()} to download.")
+    path = Path(raw)
+    if not path.is_absolute():
+        path = settings.data_dir / path
+    path = path.resolve()
+    if not path.is_relative_to(settings.data_dir.resolve()) or not path.is_file():
+        raise NotFound("The file for this download is missing from the data folder.")
+    return path
+
+
+def download_filename(job: Job, kind: str) -> str:
+    """E.g. "Support-FAQ-job12-adapter.zip": ASCII only, so every browser keeps it."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", job.project.name).strip("-.")[:60] or "project"
+    return f"{stem}-job{job.id}-{kind}.zip"
+
+
+def human_duration(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "—"
+    if seconds < 60:
+        return "less than a minute"
+    minutes = round(seconds / 60)
+    if minutes < 90:
+        return f"about {minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    return f"about {hours} h {minutes} min" if minutes else f"about {hours} h"
+
+
+@dataclass
+class LossChart:
+    """An inline SVG line chart of the training loss, computed on the server.
+
+    Coordinates are in the SVG's own units: the plot area is left..right x top..bottom, with
+    room on the left for the loss labels and below for the step labels."""
+
+    width: int
+    height: int
+    left: int
+    right: int
+    top: int
+    bottom: int
+    points: str  # the polyline's "x,y x,y ..."
+    first: float
+    last: float
+    low: float
+    high: float
+    last_step: int
+    total_steps: int
+
+
+def loss_chart(
+    history: list[list[float]] | None, total_steps: int = 0, width: int = 900, height: int = 220
+) -> LossChart | None:
+    """None until there is at least one finite loss value."""
+    pts = []
+    for p in history or []:
+        try:
+            x, y = float(p[0]), float(p[1])
+        except (TypeError, ValueError, IndexError):
+            continue
+        if math.isfinite(x) and math.isfinite(y):
+            pts.append((x, y))
+    if not pts:
+        return None
+    if len(pts) > 600:  # plenty for a chart this wide
+        stride = math.ceil(len(pts) / 600)
+        pts = pts[::stride] + ([pts[-1]] if (len(pts) - 1) % stride else [])
+    losses = [y for _, y in pts]
+    low, high = min(losses), max(losses)
+    span = (high - low) or 1.0
+    x_end = max(float(total_steps), pts[-1][0], 1.0)
+    x_start = min(pts[0][0], 0.0)
+    left, right, top, bottom = 48, width - 12, 10, height - 24
+    coords = []
+    for x, y in pts:
+        px = left + (x - x_start) / ((x_end - x_start) or 1.0) * (right - left)
+        py = top + (high - y) / span * (bottom - top)
+        coords.append(f"{px:.1f},{py:.1f}")
+    return LossChart(
+        width=width,
+        height=height,
+        left=left,
+        right=right,
+        top=top,
+        bottom=bottom,
+        points=" ".join(coords),
+        first=losses[0],
+        last=losses[-1],
+        low=low,
+        high=high,
+        last_step=int(pts[-1][0]),
+        total_steps=int(x_end),
+    )
+
+
+# Scores
+
+
+@dataclass
+class Recall:
+    n_recalled: int
+    n_probes: int
+
+    @property
+    def pct(self) -> float | None:
+        return 100.0 * self.n_recalled / self.n_probes if self.n_probes else None
+
+
+@dataclass
+class ProbeRow:
+    prompt: str
+    answer: str
+    source: str
+    base_output: str
+    base_hit: bool
+    tuned_output: str
+    tuned_hit: bool
+
+
+@dataclass
+class ScoreCard:
+    recall_before: Recall
+    recall_after: Recall
+    perplexity_before: float | None
+    perplexity_after: float | None
+    n_heldout_chunks: int
+    probes: list[ProbeRow] = field(default_factory=list)
+    qa_n: int = 0
+    qa_f1_before: float | None = None
+    qa_f1_after: float | None = None
+    qa_exact_before: float | None = None
+    qa_exact_after: float | None = None
+
+    @property
+    def n_probes(self) -> int:
+        return self.recall_after.n_probes or self.recall_before.n_probes
+
+
+def _recall(side: Mapping[str, Any]) -> Recall:
+    n_probes = int(side.get("n_probes") or 0)
+    n_recalled = side.get("n_recalled")
+    if n_recalled is None and side.get("recall") is not None:
+        n_recalled = round(float(side["recall"]) * n_probes)
+    return Recall(int(n_recalled or 0), n_probes)
+
+
+def _num(value: Any) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def score_card(scores: Mapping[str, Any] | None, max_probes: int = 8) -> ScoreCard | None:
+    """The before/after comparison, or None when the job has no scores (yet)."""
+    if not scores or not isinstance(scores.get("after"), Mapping):
+        return None
+    before: Mapping[str, Any] = scores.get("before") or {}
+    after: Mapping[str, Any] = scores["after"]
+    card = ScoreCard(
+        recall_before=_recall(before),
+        recall_after=_recall(after),
+        perplexity_before=_num(before.get("perplexity")),
+        perplexity_after=_num(after.get("perplexity")),
+        n_heldout_chunks=int(after.get("n_heldout_chunks") or before.get("n_heldout_chunks") or 0),
+    )
+    base_by_probe = {
+        (p.get("prompt"), p.get("answer")): p
+        for p in before.get("probes") or []
+        if isinstance(p, Mapping)
+    }
+    tuned = [p for p in after.get("probes") or [] if isinstance(p, Mapping)]
+    # Show the facts the training changed first: they are the interesting ones.
+    rows = []
+    for p in tuned:
+        base = base_by_probe.get((p.get("prompt"), p.get("answer")), {})
+        rows.append(
+            ProbeRow(
+                prompt=str(p.get("prompt") or ""),
+                answer=str(p.get("answer") or ""),
+                source=str(p.get("source") or ""),
+                base_output=str(base.get("output") or ""),
+                base_hit=bool(base.get("hit")),
+                tuned_output=str(p.get("output") or ""),
+                tuned_hit=bool(p.get("hit")),
+            )
+        )
+    rows.sort(key=lambda r: (r.tuned_hit == r.base_hit, not r.tuned_hit))
+    card.probes = rows[:max_probes]
+    qa_before: Mapping[str, Any] = before.get("qa") or {}
+    qa_after: Mapping[str, Any] = after.get("qa") or {}
+    card.qa_n = int(qa_after.get("n") or 0)
+    if card.qa_n:
+        card.qa_f1_before = _num(qa_before.get("f1"))
+        card.qa_f1_after = _num(qa_after.get("f1"))
+        card.qa_exact_before = _num(qa_before.get("exact"))
+        card.qa_exact_after = _num(qa_after.get("exact"))
+    return card
+
+
+def score_summary(scores: Mapping[str, Any] | None) -> str | None:
+    """One line for the job list, e.g. "Recall 10% → 45%"."""
+    card = score_card(scores)
+    if card is None or card.recall_after.pct is None:
+        return None
+    before = card.recall_before.pct
+    after = card.recall_after.pct
+    return f"Recall {before:.0f}% → {after:.0f}%" if before is not None else f"Recall {after:.0f}%"
+
+
+def job_state_label(job: Job) -> str:
+    if job.cancel_requested and not JobState(job.state).finished:
+        return "cancelling…"
+    return {
+        JobState.queued: "waiting to start",
+        JobState.running: "training",
+        JobState.evaluating: "measuring",
+        JobState.done: "done",
+        JobState.failed: "failed",
+        JobState.cancelled: "cancelled",
+    }.get(JobState(job.state), job.state)
+
+
+@dataclass
+class JobRow:
+    """One line of a project's job list."""
+
+    job: Job
+    label: str
+    summary: str | None
+
+    @property
+    def active(self) -> bool:
+        return not JobState(self.job.state).finished
+
+
+def job_rows(project: Project) -> list[JobRow]:
+    """The project's jobs, newest first."""
+    jobs = sorted(project.jobs, key=lambda j: j.id, reverse=True)
+    return [JobRow(j, job_state_label(j), score_summary(j.scores)) for j in jobs]

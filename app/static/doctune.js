@@ -1,0 +1,92 @@
+// DocTune: the little JavaScript the pages need on top of htmx.
+// A drop zone for files, an upload progress bar, and a plain message when the server
+// cannot be reached. Everything still works (less smoothly) without it.
+(function () {
+  "use strict";
+  document.documentElement.classList.add("js");
+
+  function zoneOf(event) {
+    return event.target instanceof Element ? event.target.closest("[data-dropzone]") : null;
+  }
+
+  function send(form) {
+    if (form.requestSubmit) form.requestSubmit(); else form.submit();
+  }
+
+  document.addEventListener("dragover", function (event) {
+    var zone = zoneOf(event);
+    event.preventDefault(); // a file dropped next to the zone must not replace the page
+    if (zone) {
+      event.dataTransfer.dropEffect = "copy";
+      zone.classList.add("dragging");
+    } else {
+      event.dataTransfer.dropEffect = "none";
+    }
+  });
+
+  document.addEventListener("dragleave", function (event) {
+    var zone = zoneOf(event);
+    if (zone && !zone.contains(event.relatedTarget)) zone.classList.remove("dragging");
+  });
+
+  document.addEventListener("drop", function (event) {
+    event.preventDefault();
+    var zone = zoneOf(event);
+    if (!zone || !event.dataTransfer || !event.dataTransfer.files.length) return;
+    zone.classList.remove("dragging");
+    var input = zone.querySelector("input[type=file]");
+    input.files = event.dataTransfer.files;
+    send(input.form);
+  });
+
+  document.addEventListener("change", function (event) {
+    var input = event.target;
+    if (input.matches && input.matches("[data-dropzone] input[type=file]") && input.files.length) {
+      send(input.form);
+    }
+  });
+
+  // Upload progress: htmx relays the XHR's upload progress events.
+  document.addEventListener("htmx:xhr:progress", function (event) {
+    var form = event.target.closest && event.target.closest("form");
+    var bar = form && form.querySelector(".upload-progress");
+    if (!bar || !event.detail.lengthComputable) return;
+    bar.hidden = false;
+    bar.value = Math.round((event.detail.loaded / event.detail.total) * 100);
+    bar.textContent = bar.value + "%";
+  });
+
+  document.addEventListener("htmx:afterRequest", function (event) {
+    var form = event.target;
+    if (form && form.id === "upload-form") {
+      var bar = form.querySelector(".upload-progress");
+      if (bar) bar.hidden = true;
+      form.reset(); // the same file can be chosen again
+    }
+  });
+
+  function notice(text) {
+    var slot = document.getElementById("notice");
+    if (!slot) return;
+    slot.innerHTML = "";
+    var box = document.createElement("div");
+    box.className = "notice notice-error";
+    box.setAttribute("role", "alert");
+    box.textContent = text;
+    slot.appendChild(box);
+  }
+
+  document.addEventListener("htmx:sendError", function () {
+    notice("DocTune is not answering. Is it still running? Reload this page once it is.");
+  });
+
+  document.addEventListener("htmx:responseError", function () {
+    notice("DocTune hit an unexpected problem. Reload the page and try again.");
+  });
+
+  document.addEventListener("htmx:afterOnLoad", function (event) {
+    var xhr = event.detail.xhr;
+    var slot = document.getElementById("notice");
+    if (slot && xhr && xhr.status < 500) slot.innerHTML = "";
+  });
+})();

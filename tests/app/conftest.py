@@ -1,0 +1,123 @@
+"""Web app test setup: a real SQLite file with the migrations applied, in a temporary data
+dir, and a real Redis as the Celery broker (db 15 of the test session's private Redis).
+
+Self-contained on purpose: `app.settings.settings` is a module-level singleton that may
+have been created before this file runs, so instead of environment variables the fixture
+points the live settings object, the database engine and the Celery client at the test
+locations, and puts them back afterwards."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+REDIS_DB = 15
+
+
+@dataclass
+class AppEnv:
+    data_dir: Path
+    redis_url: str
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def queue_length(self, queue: str) -> int:
+        """Messages waiting in a Celery queue (kombu's Redis transport: a list named after it)."""
+        return int(self.redis.llen(queue))
+
+    def stored_files(self) -> list[Path]:
+        """Every file under the data dir's documents folder (partial uploads included)."""
+        from app.settings import settings
+
+        root = settings.documents_dir
+        return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def _reset_engine() -> None:
+    import app.db
+
+    if app.db._engine is not None:
+        app.db._engine.dispose()
+    app.db._engine = None
+    app.db._factory = None
+
+
+def _point_celery_at(url: str) -> None:
+    from app.queue import celery_client
+
+    celery_client.conf.broker_url = url
+    if celery_client._pool is not None:
+        celery_client._pool.force_close_all()
+        celery_client._pool = None
+    celery_client.amqp._producer_pool = None
+
+
+@pytest.fixture(scope="session")
+def app_env(tmp_path_factory, redis_url) -> Iterator[AppEnv]:
+    from app.migrate import upgrade_to_head
+    from app.queue import celery_client
+    from app.settings import settings
+
+    # The session's private Redis (tests/conftest.py), on a database of its own: the Celery
+    # worker process of the end-to-end tests listens on db 0 and must not see these tasks.
+    redis_url = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DB}"
+
+    saved = {
+        "data_dir": settings.data_dir,
+        "redis_url": settings.redis_url,
+        "database_url": settings.database_url,
+        "broker": celery_client.conf.broker_url,
+    }
+    data_dir = tmp_path_factory.mktemp("doctune-app-data")
+    settings.data_dir = data_dir
+    settings.redis_url = redis_url
+    settings.database_url = None  # always the SQLite file in the temporary data dir
+    _reset_engine()
+    _point_celery_at(redis_url)
+    upgrade_to_head()
+    try:
+        yield AppEnv(data_dir=data_dir, redis_url=redis_url)
+    finally:
+        _reset_engine()
+        settings.data_dir = saved["data_dir"]
+        settings.redis_url = saved["redis_url"]
+        settings.database_url = saved["database_url"]
+        _point_celery_at(saved["broker"])
+
+
+@pytest.fixture
+def env(app_env: AppEnv) -> Iterator[AppEnv]:
+    """A clean slate per test: no rows, no stored files, empty queues, default limits."""
+    from sqlalchemy import delete
+
+    from app.db import session_scope
+    from app.models import Document, Job, Project
+    from app.settings import settings
+
+    limits = (settings.max_upload_mb, settings.max_files_per_upload)
+    app_env.redis.flushdb()
+    yield app_env
+    settings.max_upload_mb, settings.max_files_per_upload = limits
+    with session_scope() as session:
+        session.execute(delete(Job))
+        session.execute(delete(Document))
+        session.execute(delete(Project))
+    for sub in ("documents", "jobs"):
+        shutil.rmtree(app_env.data_dir / sub, ignore_errors=True)
+    app_env.redis.flushdb()
+
+
+@pytest.fixture
+def client(env: AppEnv) -> Iterator[TestClient]:
+    from app.main import create_app
+
+    with TestClient(create_app()) as test_client:
+        yield test_client
