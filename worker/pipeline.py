@@ -1,0 +1,214 @@
+"""One training job from documents to downloads, with no database in sight.
+
+base model -> tokenizer + model -> dataset -> score before -> train -> score after -> export.
+The Celery task and the CLI both call `run_pipeline`; they turn `Hooks` into progress rows or
+console output. Everything is deterministic from the seed, and a job that is run again in the
+same `workdir` picks up where it stopped: the "before" scores are cached in before.json, the
+training resumes from workdir/checkpoint, a finished job returns its result.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from worker.base_model import EMBEDDED_HUB_ID, EMBEDDED_NAME, resolve_base_model
+from worker.corpus import SourceDoc
+from worker.dataset import build_dataset
+from worker.engine import configure_threads
+from worker.evaluate import evaluate
+from worker.export import export_adapter, export_merged, model_card
+from worker.recipe import Cancelled, FineTuneRecipe, Hooks, TrainConfig
+
+__all__ = ["Cancelled", "Hooks", "run_pipeline"]
+
+log = logging.getLogger(__name__)
+
+# Settings build_dataset takes from params when given (else its own defaults).
+DATASET_KEYS = ("holdout_frac", "max_probes")
+_TRAIN_KEYS = {f.name for f in fields(TrainConfig)}
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, ensure_ascii=False)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _check_cancel(hooks: Hooks) -> None:
+    if hooks.should_cancel():
+        raise Cancelled("Cancelled.")
+
+
+def _describe_base(base_model: str) -> tuple[str, str, list[str]]:
+    """(display name, id to load it elsewhere, notes) for the model card."""
+    if base_model.strip() == "embedded":
+        return (
+            f"{EMBEDDED_NAME} (embedded)",
+            EMBEDDED_HUB_ID,
+            [
+                (
+                    "The base model is SmolLM2-135M-Instruct as shipped in 4-bit GGUF form "
+                    "(Q4_1) and dequantized to float32 for training. The hub model "
+                    f"`{EMBEDDED_HUB_ID}` is the same model at full precision: the adapter "
+                    "works with it, but for exactly the scores above use the merged model."
+                )
+            ],
+        )
+    return Path(base_model).name or base_model, base_model, []
+
+
+def run_pipeline(
+    docs: list[SourceDoc],
+    params: dict,
+    base_model: str,
+    models_dir: Path,
+    workdir: Path,
+    hooks: Hooks | None = None,
+) -> dict:
+    """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
+    before/after, artifact paths and metrics (also written to workdir/result.json).
+
+    `params`: app.training_defaults.default_params merged with the user's choices (method,
+    epochs, learning_rate, lora_rank, max_seq_len) plus optional TrainConfig fields (seed,
+    batch_size, checkpoint_every, max_steps, ...) and dataset settings (holdout_frac,
+    max_probes). Raises ValueError with a plain-words message for unusable input, Cancelled
+    when `hooks.should_cancel()` turns true.
+    """
+    hooks = hooks or Hooks()
+    configure_threads()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not any((d.text or "").strip() or d.qa_pairs for d in docs):
+        raise ValueError(
+            "No usable text: the documents of this job contain no text and no "
+            "question-answer pairs to train on."
+        )
+    unknown = set(params) - _TRAIN_KEYS - set(DATASET_KEYS)
+    if unknown:
+        log.warning("Ignoring unknown training settings: %s", sorted(unknown))
+    config = TrainConfig.from_dict({k: v for k, v in params.items() if k in _TRAIN_KEYS})
+    dataset_args = {k: params[k] for k in DATASET_KEYS if k in params}
+    doc_ids = sorted([d.name, d.sha256, bool(d.qa_pairs)] for d in docs)
+    data_key = _fingerprint(base_model, doc_ids, config.max_seq_len, config.seed, dataset_args)
+    job_key = _fingerprint(data_key, config.to_dict())
+
+    result_path = workdir / "result.json"
+    done = _read_json(result_path)
+    if (
+        done
+        and done.get("key") == job_key
+        and all(Path(p).is_file() for p in done["result"]["artifacts"].values())
+    ):
+        log.info("Job in %s already finished; returning its result.", workdir)
+        return done["result"]
+
+    hooks.on_phase("running", "Preparing the base model")
+    model_dir = resolve_base_model(base_model, models_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    split = build_dataset(
+        docs, tokenizer, max_seq_len=config.max_seq_len, seed=config.seed, **dataset_args
+    )
+    if not split.train_examples:
+        raise ValueError(
+            "No usable text to train on: after holding out text for scoring, nothing was "
+            "left. Add more documents or question-answer pairs."
+        )
+    _check_cancel(hooks)
+    torch.manual_seed(config.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+    cached = _read_json(workdir / "before.json")
+    if cached and cached.get("key") == data_key:
+        before = cached["scores"]
+    else:
+        hooks.on_phase("evaluating", f"Scoring before training ({len(split.probes)} probes)")
+        before = evaluate(model, tokenizer, split)
+        _write_json(workdir / "before.json", {"key": data_key, "scores": before})
+    _check_cancel(hooks)
+
+    recipe = FineTuneRecipe(model, split.train_examples, config, workdir, hooks, pad_id)
+    recipe.setup()
+    hooks.on_phase("running", "Training")
+    started = time.perf_counter()
+    train_metrics = recipe.train()
+    log.info("Training took %.1f s in this run.", time.perf_counter() - started)
+    model = recipe.model
+    recipe.cleanup()  # frees the optimizer state before scoring and exporting
+
+    _check_cancel(hooks)
+    hooks.on_phase("evaluating", "Scoring after training")
+    after = evaluate(model, tokenizer, split)
+    model.eval()
+
+    _check_cancel(hooks)
+    hooks.on_phase("running", "Exporting")
+    resolved = (
+        config.to_dict()
+        | dataset_args
+        | {
+            "total_steps": recipe.total_steps,
+            "steps_per_epoch": recipe.steps_per_epoch,
+        }
+    )
+    display, base_id, notes = _describe_base(base_model)
+    card = model_card(
+        {
+            "base_model": display,
+            "base_model_id": base_id,
+            "method": config.method,
+            "params": resolved,
+            "documents": [{"name": d.name, "sha256": d.sha256} for d in docs],
+            "scores": {"before": before, "after": after},
+            "dataset": {k: v for k, v in split.stats.items() if k != "notes"},
+            "notes": notes,
+        }
+    )
+    exports = workdir / "exports"
+    artifacts: dict[str, str] = {}
+    if config.method == "lora":
+        artifacts["adapter"] = str(
+            export_adapter(model, tokenizer, exports / "adapter.zip", card, base_model_id=base_id)
+        )
+    artifacts["merged"] = str(export_merged(model, tokenizer, exports / "merged.zip", card))
+
+    result = {
+        "params": resolved,
+        "dataset": split.stats,
+        "scores": {"before": before, "after": after},
+        "artifacts": artifacts,
+        "metrics": {
+            "train_seconds": train_metrics["train_seconds"],
+            "tokens_per_s": train_metrics["tokens_per_s"],
+            "final_loss": train_metrics["final_loss"],
+            "steps": train_metrics["steps"],
+            "tokens": train_metrics["tokens"],
+        },
+    }
+    _write_json(result_path, {"key": job_key, "result": result})
+    return result

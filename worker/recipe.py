@@ -1,0 +1,410 @@
+"""The fine-tuning recipe: LoRA or full fine-tuning of a causal LM on prepared examples.
+
+One readable run, torchtune style: `setup()` wraps the model and builds the engine (resuming
+from `workdir/checkpoint/` when one is there), `train()` loops over deterministic batches,
+`save_checkpoint()` writes the run's state atomically, `cleanup()` frees it.
+
+Determinism: batches are a permutation seeded by seed + epoch, the LoRA init by seed, and a
+checkpoint holds weights, optimizer, scheduler and RNG states, so a run killed after a
+checkpoint and resumed ends with the same weights, bit for bit, as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.training_defaults import LIMITS, METHODS
+from worker.engine import IGNORE_INDEX, InMemoryEngine, configure_threads
+
+log = logging.getLogger(__name__)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHECKPOINT_FORMAT = 1
+
+
+class Cancelled(Exception):
+    """The user cancelled the job; the run's state is in its last checkpoint."""
+
+
+def _noop(*_args, **_kwargs) -> None:
+    return None
+
+
+@dataclass
+class Hooks:
+    """How a run reports to whoever drives it (Celery task, CLI, test)."""
+
+    # (state, text): state in {"running", "evaluating"}; text says what is happening.
+    on_phase: Callable[[str, str], None] = _noop
+    # {"step", "total_steps", "loss", "tokens_per_s", "eta_s", "epoch", "epochs", "lr"}
+    on_progress: Callable[[dict], None] = _noop
+    should_cancel: Callable[[], bool] = lambda: False
+
+
+@dataclass
+class TrainConfig:
+    """How to run one fine-tune. Round-trips through a plain dict (stored with the job)."""
+
+    method: str = "lora"  # "lora" | "full"
+    epochs: int = 3
+    learning_rate: float = 2e-4
+    lora_rank: int = 16
+    lora_alpha: float | None = None  # None -> 2 * rank
+    lora_dropout: float = 0.0  # 0: no RNG in the forward pass, runs repeat exactly
+    max_seq_len: int = 256
+    # Examples per micro-batch. On a CPU tokens/s barely depends on it (matmuls are already
+    # large at 256 tokens); smaller batches give small corpora more optimizer steps.
+    batch_size: int = 4
+    grad_accum: int = 1  # micro-batches per optimizer step
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 25  # optimizer steps; also at every epoch end
+    max_steps: int | None = None  # cap on optimizer steps (tests, quick trials)
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"Unknown training method {self.method!r}; use one of {METHODS}.")
+        for name, (low, high) in LIMITS.items():
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name} = {value} is outside the allowed range {low}..{high}.")
+        for name in ("batch_size", "grad_accum", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be at least 1.")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError("warmup_ratio and lora_dropout must be in [0, 1).")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown training settings: {sorted(unknown)}")
+        return cls(**data)
+
+    def steps_per_epoch(self, n_examples: int) -> int:
+        return math.ceil(n_examples / (self.batch_size * self.grad_accum))
+
+    def total_steps(self, n_examples: int) -> int:
+        total = self.epochs * self.steps_per_epoch(n_examples)
+        return min(total, self.max_steps) if self.max_steps else total
+
+
+def pad_batch(examples: list[dict], pad_token_id: int, max_len: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: pad tokens get attention 0 and label IGNORE_INDEX."""
+    rows = [(ex["input_ids"][:max_len], ex["labels"][:max_len]) for ex in examples]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labs) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[i, : len(labs)] = torch.tensor(labs, dtype=torch.long)
+        attention[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def examples_digest(examples: list[dict]) -> str:
+    """Fingerprint of the training data, so a checkpoint is only resumed on the same data."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex["input_ids"], ex["labels"]], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Progress:
+    """Counters that survive a resume (stored in the checkpoint's meta.json)."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    tokens: int = 0  # non-padding tokens seen
+    losses: list[float] = field(default_factory=list)  # one per optimizer step
+
+
+class FineTuneRecipe:
+    """LoRA (peft) or full fine-tuning of `model` on `train_examples`, checkpointed in `workdir`.
+
+    After `setup()`, `self.model` is the model being trained (a PeftModel for LoRA).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_examples: list[dict],
+        config: TrainConfig,
+        workdir: Path,
+        hooks: Hooks | None = None,
+        pad_token_id: int = 0,
+    ) -> None:
+        if not train_examples:
+            raise ValueError("No training examples.")
+        self.model = model
+        self.examples = train_examples
+        self.config = config
+        self.workdir = Path(workdir)
+        self.hooks = hooks or Hooks()
+        self.pad_token_id = pad_token_id
+        self.engine: InMemoryEngine | None = None
+        self.progress = _Progress()
+        self.steps_per_epoch = config.steps_per_epoch(len(train_examples))
+        self.total_steps = config.total_steps(len(train_examples))
+        self._digest = examples_digest(train_examples)
+        self._last_saved_step = -1
+        self._perm_cache: tuple[int, list[int]] | None = None
+
+    # -- paths -------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.workdir / "checkpoint"
+
+    @property
+    def _tmp_dir(self) -> Path:
+        return self.workdir / "checkpoint.tmp"
+
+    @property
+    def _old_dir(self) -> Path:
+        return self.workdir / "checkpoint.old"
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Wrap the model for the method, build the engine, resume from a checkpoint if any."""
+        configure_threads()
+        cfg = self.config
+        torch.manual_seed(cfg.seed)  # LoRA's A matrices are drawn here
+        random.seed(cfg.seed)
+        if cfg.method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=LORA_TARGETS,
+                task_type="CAUSAL_LM",
+            )
+            self.model = get_peft_model(self.model, lora)
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(True)
+        self.model.train()
+        self.engine = InMemoryEngine(
+            self.model,
+            learning_rate=cfg.learning_rate,
+            total_steps=self.total_steps,
+            warmup_steps=round(cfg.warmup_ratio * self.total_steps),
+            weight_decay=cfg.weight_decay,
+            grad_clip=cfg.grad_clip,
+            grad_accum=cfg.grad_accum,
+        )
+        self._resume()
+
+    def _meta(self) -> dict:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "config": self._config_key(),
+            "n_examples": len(self.examples),
+            "examples_sha256": self._digest,
+            "total_steps": self.total_steps,
+            "step": self.progress.step,
+            "epoch": self.progress.step // self.steps_per_epoch,
+            "train_seconds": self.progress.train_seconds,
+            "tokens": self.progress.tokens,
+            "losses": self.progress.losses,
+        }
+
+    def _config_key(self) -> dict:
+        key = self.config.to_dict()
+        key.pop("checkpoint_every")  # saving more or less often does not change the result
+        return key
+
+    def _resume(self) -> None:
+        # A crash between the two renames of save_checkpoint leaves only checkpoint.old.
+        if not self.checkpoint_dir.exists() and self._old_dir.exists():
+            os.rename(self._old_dir, self.checkpoint_dir)
+        meta_path = self.checkpoint_dir / "meta.json"
+        if not meta_path.is_file():
+            return
+        meta = json.loads(meta_path.read_text())
+        same = (
+            meta.get("format") == CHECKPOINT_FORMAT
+            and meta.get("config") == self._config_key()
+            and meta.get("examples_sha256") == self._digest
+        )
+        if not same:
+            log.warning("Ignoring %s: made with other settings or data.", self.checkpoint_dir)
+            return
+        state = torch.load(self.checkpoint_dir / "state.pt", weights_only=True)
+        state["weights"] = load_file(self.checkpoint_dir / "weights.safetensors")
+        self.engine.load_state_dict(state)
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(_tuplify(state["rng"]["python"]))
+        self.progress = _Progress(
+            step=int(meta["step"]),
+            train_seconds=float(meta["train_seconds"]),
+            tokens=int(meta["tokens"]),
+            losses=[float(x) for x in meta["losses"]],
+        )
+        self._last_saved_step = self.progress.step
+        log.info("Resumed from step %d of %d.", self.progress.step, self.total_steps)
+
+    # -- batches -----------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> list[int]:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            gen = torch.Generator().manual_seed(self.config.seed + epoch)
+            self._perm_cache = (epoch, torch.randperm(len(self.examples), generator=gen).tolist())
+        return self._perm_cache[1]
+
+    def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
+        """The batch of optimizer step `step` (0-based): a pure function of seed and step, so
+        a resumed run skips exactly the batches already done."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        per_step = self.config.batch_size * self.config.grad_accum
+        order = self._permutation(epoch)[index * per_step : (index + 1) * per_step]
+        return pad_batch(
+            [self.examples[i] for i in order], self.pad_token_id, self.config.max_seq_len
+        )
+
+    # -- train -------------------------------------------------------------------------------
+    def train(self) -> dict:
+        """Run the remaining optimizer steps; returns metrics. Raises Cancelled (after saving a
+        checkpoint) when `hooks.should_cancel()` turns true."""
+        if self.engine is None:
+            raise RuntimeError("call setup() first")
+        self.model.train()
+        recent: list[tuple[float, int]] = []  # (seconds, tokens) of the last steps, for ETA
+        while self.progress.step < self.total_steps:
+            if self.hooks.should_cancel():
+                self.save_checkpoint()
+                raise Cancelled(f"Cancelled at step {self.progress.step} of {self.total_steps}.")
+            batch = self.batch_for_step(self.progress.step)
+            tokens = int(batch["attention_mask"].sum())
+            started = time.perf_counter()
+            loss = self.engine.step(batch)
+            seconds = time.perf_counter() - started
+            p = self.progress
+            p.step += 1
+            p.train_seconds += seconds
+            p.tokens += tokens
+            p.losses.append(loss)
+            recent = (recent + [(seconds, tokens)])[-10:]
+            recent_s = sum(s for s, _ in recent)
+            self.hooks.on_progress(
+                {
+                    "step": p.step,
+                    "total_steps": self.total_steps,
+                    "loss": loss,
+                    "tokens_per_s": sum(t for _, t in recent) / max(recent_s, 1e-9),
+                    "eta_s": recent_s / len(recent) * (self.total_steps - p.step),
+                    "epoch": (p.step - 1) // self.steps_per_epoch + 1,
+                    "epochs": math.ceil(self.total_steps / self.steps_per_epoch),
+                    "lr": self.engine.learning_rate,
+                }
+            )
+            if (
+                p.step % self.config.checkpoint_every == 0
+                or p.step % self.steps_per_epoch == 0
+                or p.step == self.total_steps
+            ):
+                self.save_checkpoint()
+        return self.metrics()
+
+    def metrics(self) -> dict:
+        p = self.progress
+        return {
+            "steps": p.step,
+            "total_steps": self.total_steps,
+            "train_seconds": round(p.train_seconds, 3),
+            "tokens": p.tokens,
+            "tokens_per_s": p.tokens / p.train_seconds if p.train_seconds else 0.0,
+            "final_loss": p.losses[-1] if p.losses else None,
+            "losses": list(p.losses),
+        }
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write weights, optimizer/scheduler/RNG states and counters to `workdir/checkpoint`.
+
+        Built in checkpoint.tmp/, fsynced, then swapped in by rename; the previous checkpoint
+        is kept (as checkpoint.old) until the new one is in place.
+        """
+        if self.engine is None:
+            raise RuntimeError("call setup() first")
+        if self._last_saved_step == self.progress.step and self.checkpoint_dir.exists():
+            return self.checkpoint_dir
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        state = self.engine.state_dict()
+        weights = {n: t.contiguous() for n, t in state.pop("weights").items()}
+        save_file(weights, tmp / "weights.safetensors")
+        state["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        torch.save(state, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps(self._meta()) + "\n")
+        for name in ("weights.safetensors", "state.pt", "meta.json"):
+            _fsync_file(tmp / name)
+        _fsync_dir(tmp)
+        if self.checkpoint_dir.exists():
+            shutil.rmtree(self._old_dir, ignore_errors=True)
+            os.rename(self.checkpoint_dir, self._old_dir)
+        os.rename(tmp, self.checkpoint_dir)
+        _fsync_dir(self.workdir)
+        shutil.rmtree(self._old_dir, ignore_errors=True)
+        self._last_saved_step = self.progress.step
+        return self.checkpoint_dir
+
+    def cleanup(self, remove_checkpoint: bool = False) -> None:
+        """Free the optimizer state; with `remove_checkpoint`, delete the run's checkpoints
+        (once the job's results are safely stored)."""
+        if self.engine is not None:
+            self.engine.optimizer.zero_grad(set_to_none=True)
+            self.engine = None
+        if remove_checkpoint:
+            for path in (self.checkpoint_dir, self._tmp_dir, self._old_dir):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _tuplify(value):
+    """random.setstate wants tuples; a state that went through torch.save may hold lists."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuplify(v) for v in value)
+    return value
