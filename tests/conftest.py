@@ -162,3 +162,19 @@ def live_server(redis_url, migrated_db, tiny_base_model, celery_worker):
     yield f"http://127.0.0.1:{port}"
     proc.terminate()
     proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def chromium_path() -> str:
+    """Debian's Chromium (make test installs it). Missing in CI is a failure, not a skip."""
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("Chromium is missing; `make test` installs it (apt-get install chromium)")
+        pytest.skip("no Chromium on this machine: run `make test`, or apt-get install chromium")
+    return path
+
+
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync"]

@@ -139,7 +139,7 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
         outcome = (JobState.cancelled, "Cancelled", None)
     except (UserFacingError, ValueError) as exc:
         outcome = (JobState.failed, "Failed", str(exc))
-    except Exception as exc:  # noqa: BLE001  (the user gets words, the log gets the trace)
+    except Exception as exc:  # the user gets words, the log gets the trace
         log.exception("job %s failed", job_id)
         (workdir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
         outcome = (JobState.failed, "Failed", _plain_error(exc))

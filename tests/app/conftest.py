@@ -60,7 +60,7 @@ def _point_celery_at(url: str) -> None:
     celery_client.amqp._producer_pool = None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # put back before the other packages' tests run
 def app_env(tmp_path_factory, redis_url) -> Iterator[AppEnv]:
     from app.migrate import upgrade_to_head
     from app.queue import celery_client

@@ -1,0 +1,144 @@
+"""The worker as it really runs: a Celery worker process fed through Redis, the job row
+in a migrated SQLite file, a tiny random model as base. The web side is played by the
+same services the routes call."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from app.db import session_scope
+from app.models import DocStatus, Document, Job, JobState
+from app.services.documents import register_uploads
+from app.services.jobs import create_job, request_cancel
+from app.services.projects import create_project
+from app.services.uploads import receive_local_file
+from app.settings import settings
+from tests.conftest import WorkerProcess, wait_for
+from tests.fixtures import docs as fx
+
+pytestmark = pytest.mark.usefixtures("celery_worker")
+
+FACTS = [
+    "The Northwind warranty lasts 36 months from the date of delivery.",
+    "Part NW-4471 ships from the Lyon warehouse within 2 working days.",
+    "Support tickets marked urgent are answered within 4 hours by Dana Whitfield.",
+    "The Model K7 kettle draws 2200 watts and holds 1.7 litres.",
+]
+
+
+def _project(name: str) -> int:
+    with session_scope() as s:
+        return create_project(s, f"{name} {time.monotonic_ns()}").id
+
+
+def _add(project_id: int, paths: list[Path]) -> list[int]:
+    with session_scope() as s:
+        from app.models import Project
+
+        project = s.get(Project, project_id)
+        received = [receive_local_file(p, dest_dir=settings.documents_dir,
+                                       max_file_bytes=settings.max_upload_bytes) for p in paths]
+        return [o.document_id for o in register_uploads(s, project, received)]
+
+
+def _doc(doc_id: int) -> Document:
+    with session_scope() as s:
+        return s.get(Document, doc_id)
+
+
+def _job(job_id: int) -> Job:
+    with session_scope() as s:
+        return s.get(Job, job_id)
+
+
+def _train(project_id: int, extra: dict | None = None, **form) -> int:
+    with session_scope() as s:  # the task leaves when this commits
+        from app.models import Project
+
+        job = create_job(s, s.get(Project, project_id), {"method": "lora", **form})
+        job.params = {**job.params, **(extra or {})}
+        return job.id
+
+
+def _wait_state(job_id: int, states: set[str], timeout_s: float = 240) -> Job:
+    return wait_for(lambda: (j := _job(job_id)).state in states and j, timeout_s,
+                    f"job {job_id} to reach {states}")
+
+
+def _ready_project(tmp_path: Path, name: str, repeat: int = 6) -> int:
+    pid = _project(name)
+    fx.make_txt(tmp_path / "facts.txt", FACTS * repeat)
+    fx.make_qa_csv(tmp_path / "faq.csv", [("How long is the warranty?", "36 months"),
+                                          ("Where does NW-4471 ship from?", "Lyon"),
+                                          ("Who answers urgent tickets?", "Dana Whitfield")])
+    ids = _add(pid, [tmp_path / "facts.txt", tmp_path / "faq.csv"])
+    for doc_id in ids:
+        wait_for(lambda d=doc_id: _doc(d).status != DocStatus.pending, 60, "extraction")
+    return pid
+
+
+def test_worker_extracts_uploads_and_marks_failures(tmp_path):
+    pid = _project("ingest")
+    fx.make_pdf(tmp_path / "manual.pdf", FACTS)
+    fx.make_corrupt(tmp_path / "broken.docx")
+    fx.make_txt(tmp_path / "blank.txt", ["   ", "\t"])
+    ids = _add(pid, [tmp_path / "manual.pdf", tmp_path / "broken.docx", tmp_path / "blank.txt"])
+    docs = [wait_for(lambda d=d: (x := _doc(d)).status != DocStatus.pending and x, 60, "extract")
+            for d in ids]
+    pdf, docx, blank = docs
+    assert pdf.status == DocStatus.extracted and "NW-4471" in pdf.preview + " ".join(FACTS)
+    assert pdf.word_count >= sum(len(f.split()) for f in FACTS) - 2
+    assert docx.status == DocStatus.failed and "damaged" in docx.error
+    assert blank.status == DocStatus.failed and "No text" in blank.error
+
+
+def test_a_job_trains_scores_and_exports(tmp_path):
+    pid = _ready_project(tmp_path, "train")
+    job_id = _train(pid, epochs="2")
+    job = _wait_state(job_id, {JobState.done, JobState.failed})
+    assert job.state == JobState.done, job.error
+    assert job.step == job.total_steps > 0
+    assert len(job.loss_history) >= 2
+    before, after = job.scores["before"], job.scores["after"]
+    assert before["n_probes"] == after["n_probes"] > 0
+    assert after["perplexity"] is None or after["perplexity"] > 0
+    for kind in ("adapter", "merged"):
+        path = Path(job.artifacts[kind])
+        assert path.is_file() and path.stat().st_size > 0
+        assert settings.data_dir in path.parents
+
+
+def test_jobs_queue_one_after_another_and_cancel_works(tmp_path):
+    pid = _ready_project(tmp_path, "queue", repeat=20)
+    long_job = _train(pid, epochs="50")
+    queued_job = _train(pid, epochs="1")
+    _wait_state(long_job, {JobState.running})
+    time.sleep(1)
+    assert _job(queued_job).state == JobState.queued  # one training job at a time
+    with session_scope() as s:
+        assert request_cancel(s, s.get(Job, long_job))
+    cancelled = _wait_state(long_job, {JobState.cancelled, JobState.done, JobState.failed}, 60)
+    assert cancelled.state == JobState.cancelled
+    done = _wait_state(queued_job, {JobState.done, JobState.failed})
+    assert done.state == JobState.done, done.error
+    assert done.started_at >= cancelled.finished_at
+
+
+def test_a_killed_worker_resumes_the_job_from_its_checkpoint(tmp_path, celery_worker):
+    pid = _ready_project(tmp_path, "crash", repeat=20)
+    job_id = _train(pid, {"checkpoint_every": 3}, epochs="6")
+    ckpt = settings.jobs_dir / str(job_id) / "checkpoint"
+    wait_for(lambda: ckpt.exists() and _job(job_id).step >= 5, 180, "a checkpoint")
+    celery_worker.stop(sig=signal.SIGKILL)  # the whole worker, pool included: a power cut
+    assert _job(job_id).state == JobState.running  # nobody is left to say otherwise
+    replacement = WorkerProcess("session").start()  # same node name: it knows the job is its
+    celery_worker.proc = replacement.proc
+    job = _wait_state(job_id, {JobState.done, JobState.failed})
+    assert job.state == JobState.done, job.error
+    assert job.attempts == 2
+    steps = [s for s, _ in job.loss_history]
+    assert steps == sorted(set(steps)) and steps[-1] == job.total_steps
