@@ -1,0 +1,37 @@
+"""DocTune's SSD offload engine: train models whose training state exceeds memory.
+
+A library of its own: it imports torch and the standard library only. The front door:
+
+    from offload import OffloadEngine, OffloadConfig, AdamWConfig
+    engine = OffloadEngine(model, AdamWConfig(lr=1e-4, max_grad_norm=1.0),
+                           OffloadConfig(budget_bytes=2 << 30, swap_dir="/ssd/swap"))
+    loss = engine.step({"input_ids": ..., "attention_mask": ..., "labels": ...})
+    engine.save_checkpoint("/ssd/ckpt")
+
+Internals live in `_private` modules; see engine.py for the design.
+"""
+
+from ._config import AdamWConfig, OffloadConfig
+from ._io import (
+    OffloadDiskFullError,
+    OffloadError,
+    OffloadIOError,
+    probe_o_direct,
+)
+from ._plan import Plan, activation_bytes, plan
+from .engine import OffloadBudgetError, OffloadEngine, find_blocks
+
+__all__ = [
+    "AdamWConfig",
+    "OffloadBudgetError",
+    "OffloadConfig",
+    "OffloadDiskFullError",
+    "OffloadEngine",
+    "OffloadError",
+    "OffloadIOError",
+    "Plan",
+    "activation_bytes",
+    "find_blocks",
+    "plan",
+    "probe_o_direct",
+]

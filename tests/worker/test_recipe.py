@@ -301,8 +301,6 @@ def test_finished_run_resumes_to_the_end(tiny_dir, examples, tmp_path):
 def test_real_smollm2_lora_learns_and_adapter_loads(request, tmp_path):
     """SmolLM2-135M: the converted folder matches the GGUF, a few LoRA steps lower the loss,
     and the saved adapter loads with peft. Prints timings."""
-    if not request.config.getoption("markexpr"):
-        pytest.skip("uses the real 135M model: run with -m slow")
     started = time.perf_counter()
     embedded_model_dir = request.getfixturevalue("embedded_model_dir")  # converts on first use
     print(f"\nensure_embedded_model: {time.perf_counter() - started:.1f} s")

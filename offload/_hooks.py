@@ -1,0 +1,99 @@
+"""How the engine gets between a model and its transformer blocks.
+
+Each block's `forward` is replaced (an instance attribute, as accelerate's hooks do; the
+module tree and state_dict names stay as they were) by a function that, under autograd,
+runs the block through `StreamedBlock`:
+
+- forward: the block's weights are paged in (prefetching the next ones), the block runs
+  without building a graph, its weights are paged out; only the block's input is kept
+  (activation checkpointing, as torch.utils.checkpoint's reentrant variant).
+- backward: the engine pages the block in again, recomputes it from the kept input with
+  the CPU RNG state it had in the forward (so dropout draws the same masks), takes the
+  gradients of the block's parameters and input, and hands the parameter gradients to
+  the optimizer at once: the block is stepped (or its gradients spilled, when clipping)
+  and paged out before the next block's backward starts.
+
+Without autograd (torch.no_grad(): evaluation, generation) a block is simply paged in,
+run and paged out.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+
+class StreamedBlock(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine, index, fn, args, kwargs, anchor, hidden):
+        ctx.engine, ctx.index, ctx.fn, ctx.args, ctx.kwargs = engine, index, fn, args, kwargs
+        ctx.rng = torch.get_rng_state()
+        engine._forward_enter(index)
+        try:
+            out = fn(hidden, *args, **kwargs)
+        finally:
+            engine._forward_exit(index)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError("a streamed block must return a tensor")
+        ctx.save_for_backward(hidden)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (hidden,) = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[6]
+        grad_x = ctx.engine._backward_block(
+            ctx.index, ctx.fn, hidden, ctx.args, ctx.kwargs, ctx.rng, grad_out, need_x
+        )
+        return None, None, None, None, None, None, grad_x
+
+
+def patch_block(engine: OffloadEngine, index: int, block: torch.nn.Module) -> None:
+    original = block.forward
+
+    def forward(*args: Any, **kwargs: Any):
+        if args:
+            hidden, rest = args[0], args[1:]
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        if torch.is_grad_enabled():
+            engine._check_training_call()
+            # A replayed block must not append to a KV cache a second time; in training
+            # the cache changes nothing (it starts empty), so drop it, as
+            # transformers' own gradient checkpointing does.
+            for name in ("cache", "past_key_values", "past_key_value", "layer_past"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            for v in list(rest) + list(kwargs.values()):
+                _refuse_grad_inputs(v)
+            return StreamedBlock.apply(
+                engine, index, original, rest, kwargs, engine._anchor, hidden
+            )
+        engine._forward_enter(index)
+        try:
+            return original(hidden, *rest, **kwargs)
+        finally:
+            engine._forward_exit(index)
+
+    block.forward = forward
+
+
+def unpatch_block(block: torch.nn.Module) -> None:
+    block.__dict__.pop("forward", None)
+
+
+def _refuse_grad_inputs(value: Any) -> None:
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise NotImplementedError(
+            "a streamed block received a second input that needs gradients; only the "
+            "hidden states may carry gradients between blocks"
+        )
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _refuse_grad_inputs(v)

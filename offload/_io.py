@@ -1,0 +1,440 @@
+"""The engine's only contact with the disk: aligned buffers, swap files, an I/O thread pool.
+
+Why each piece looks the way it does:
+
+- O_DIRECT needs the buffer address, the file offset and the length aligned to the
+  device's logical block; 4 KiB covers every disk we expect. Buffers come from one
+  allocation made once (`aligned_empty`), regions in the swap files are padded to 4 KiB.
+- Transfers are split into 1 MiB pieces and run by several threads (os.preadv/pwritev
+  release the GIL), so one large region keeps several requests in flight at the disk.
+- Reads are queued ahead of writes: a read is what the computation waits for, a write
+  (write-behind of a stepped block) only has to finish before its buffer is reused.
+- Some filesystems refuse O_DIRECT (older tmpfs, overlayfs, some NFS): `probe_o_direct`
+  tries an aligned write and read once, and the store falls back to buffered I/O.
+- Disk full (ENOSPC/EDQUOT) becomes `OffloadDiskFullError` with a plain message; the
+  swap files are preallocated (posix_fallocate) so a running job cannot hit it mid-step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 4096  # bytes: buffer address, file offsets and lengths for O_DIRECT
+CHUNK = 1 << 20  # bytes per preadv/pwritev call
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+class OffloadError(RuntimeError):
+    """Base class of the engine's own errors."""
+
+
+class OffloadDiskFullError(OffloadError):
+    """A write did not fit on the disk. Data written before it is left intact."""
+
+    def __init__(self, path: str, nbytes: int | None = None, detail: str = ""):
+        self.path = path
+        self.nbytes = nbytes
+        size = f" ({nbytes / 2**20:.1f} MiB)" if nbytes else ""
+        msg = (
+            f"The disk holding {path} is full: could not write{size}. "
+            "Free some space or choose another directory."
+        )
+        super().__init__(msg + (f" {detail}" if detail else ""))
+
+
+class OffloadIOError(OffloadError):
+    """Any other failed read or write of a swap or checkpoint file."""
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _DISK_FULL
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN, pin_memory: bool = False) -> torch.Tensor:
+    """An uninitialized uint8 CPU tensor whose first byte is `align`-aligned.
+
+    Over-allocates by `align` and slices at the right offset; the slice keeps the
+    whole allocation alive. `pin_memory` gives page-locked memory for CUDA copies."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin_memory)
+    start = (-raw.data_ptr()) % align
+    out = raw[start : start + nbytes]
+    assert out.data_ptr() % align == 0
+    return out
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU tensor's bytes (for preadv/pwritev).
+
+    The view does not keep `t` alive: the caller holds `t` for as long as it uses it."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    return memoryview(arr).cast("B")
+
+
+class BufferPool:
+    """`n_pages` buffers of `page_bytes` each, carved out of one aligned allocation made once."""
+
+    def __init__(self, n_pages: int, page_bytes: int, pin_memory: bool = False):
+        if page_bytes % ALIGN:
+            raise ValueError("page_bytes must be a multiple of 4096")
+        self.n_pages = n_pages
+        self.page_bytes = page_bytes
+        self.storage = aligned_empty(max(n_pages * page_bytes, ALIGN), pin_memory=pin_memory)
+        self.tensors = [self.storage[i * page_bytes : (i + 1) * page_bytes] for i in range(n_pages)]
+        self.views = [byte_view(t) for t in self.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.page_bytes
+
+
+def probe_o_direct(directory: str | os.PathLike) -> bool:
+    """True when files in `directory` accept O_DIRECT aligned writes and reads."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".o_direct_probe.{os.getpid()}")
+    buf = aligned_empty(ALIGN)
+    buf.fill_(0x5A)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        view = byte_view(buf)
+        if os.pwritev(fd, [view], 0) != ALIGN:
+            return False
+        back = aligned_empty(ALIGN)
+        if os.preadv(fd, [byte_view(back)], 0) != ALIGN:
+            return False
+        return bool(torch.equal(back, buf))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class IOStats:
+    """Counters shared by the I/O threads. Busy times are wall-clock time during which at
+    least one read (or write) was in flight, so bytes / busy time is the achieved rate."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.read_busy_s = 0.0
+        self.write_busy_s = 0.0
+        self._active = {"r": 0, "w": 0}
+        self._since = {"r": 0.0, "w": 0.0}
+
+    def begin(self, op: str) -> None:
+        with self._lock:
+            if self._active[op] == 0:
+                self._since[op] = time.perf_counter()
+            self._active[op] += 1
+
+    def end(self, op: str, nbytes: int) -> None:
+        with self._lock:
+            self._active[op] -= 1
+            if op == "r":
+                self.bytes_read += nbytes
+            else:
+                self.bytes_written += nbytes
+            if self._active[op] == 0:
+                dt = time.perf_counter() - self._since[op]
+                if op == "r":
+                    self.read_busy_s += dt
+                else:
+                    self.write_busy_s += dt
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "bytes_read": self.bytes_read,
+                "bytes_written": self.bytes_written,
+                "read_busy_s": self.read_busy_s,
+                "write_busy_s": self.write_busy_s,
+                "read_gbps": self.bytes_read / self.read_busy_s / 1e9 if self.read_busy_s else 0.0,
+                "write_gbps": (
+                    self.bytes_written / self.write_busy_s / 1e9 if self.write_busy_s else 0.0
+                ),
+            }
+
+
+class IORequest:
+    """One read or write of a whole region, done as several 1 MiB pieces."""
+
+    def __init__(self, op: str, path: str, nbytes: int, pieces: int):
+        self.op = op
+        self.path = path
+        self.nbytes = nbytes
+        self._left = pieces
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self._callbacks: list[Callable[[IORequest], None]] = []
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def add_done_callback(self, fn: Callable[[IORequest], None]) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def wait(self) -> None:
+        """Block until every piece finished; raise the first piece's error, translated."""
+        self._done.wait()
+        if self.error is not None:
+            raise translate_os_error(self.error, self.path, self.nbytes)
+
+    def _piece_done(self, error: BaseException | None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._left -= 1
+            if self._left:
+                return
+            callbacks, self._callbacks = self._callbacks, []
+            self._done.set()
+        for fn in callbacks:
+            fn(self)
+
+
+def translate_os_error(exc: BaseException, path: str, nbytes: int | None = None) -> Exception:
+    if isinstance(exc, OffloadError):
+        return exc
+    if is_disk_full(exc):
+        err = OffloadDiskFullError(path, nbytes)
+    else:
+        err = OffloadIOError(f"I/O on {path} failed: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OffloadIOError(f"file ends before offset {offset + len(view)}")
+        done += got
+
+
+def _pwrite_full(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        put = os.pwritev(fd, [view[done:]], offset + done)
+        if put == 0:
+            raise OSError(errno.ENOSPC, "write made no progress")
+        done += put
+
+
+class IOExecutor:
+    """A fixed set of threads running 1 MiB pieces of reads and writes, reads first."""
+
+    _READ, _WRITE = 0, 1
+
+    def __init__(self, threads: int = 4, chunk_bytes: int = CHUNK, stats: IOStats | None = None):
+        if chunk_bytes % ALIGN:
+            raise ValueError("chunk_bytes must be a multiple of 4096")
+        self.chunk_bytes = chunk_bytes
+        self.stats = stats or IOStats()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"offload-io-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def read(self, fd: int, offset: int, view: memoryview, path: str = "?") -> IORequest:
+        return self.submit("r", [(fd, offset, view)], path)
+
+    def write(self, fd: int, offset: int, view: memoryview, path: str = "?") -> IORequest:
+        return self.submit("w", [(fd, offset, view)], path)
+
+    def submit(
+        self, op: str, extents: list[tuple[int, int, memoryview]], path: str = "?"
+    ) -> IORequest:
+        """One request made of several (fd, file offset, buffer) extents, in 1 MiB pieces."""
+        pieces = []
+        for fd, offset, view in extents:
+            for s in range(0, len(view), self.chunk_bytes):
+                pieces.append((fd, offset + s, view[s : s + self.chunk_bytes]))
+        if not pieces:
+            pieces.append((extents[0][0] if extents else -1, 0, memoryview(b"")))
+        req = IORequest(op, path, sum(len(v) for _, _, v in extents), len(pieces))
+        prio = self._READ if op == "r" else self._WRITE
+        for fd, offset, piece in pieces:
+            self._queue.put((prio, next(self._seq), req, fd, offset, piece))
+        return req
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item[2] is None:  # shutdown marker
+                return
+            _, _, req, fd, offset, piece = item
+            if req.error is not None:  # an earlier piece failed: skip the rest
+                req._piece_done(None)
+                continue
+            self.stats.begin(req.op)
+            error = None
+            try:
+                if req.op == "r":
+                    _pread_full(fd, piece, offset)
+                else:
+                    _pwrite_full(fd, piece, offset)
+            except BaseException as exc:  # noqa: BLE001 (handed to the waiter, never lost)
+                error = exc
+            finally:
+                self.stats.end(req.op, 0 if error else len(piece))
+            req._piece_done(error)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._queue.put((99, next(self._seq), None, 0, 0, None))
+        for t in self._threads:
+            t.join()
+
+
+@dataclass
+class _SwapFile:
+    kind: str
+    path: str
+    fd: int
+    offsets: list[int]
+    sizes: list[int]
+    nbytes: int
+
+
+class SwapStore:
+    """One preallocated file per tensor kind; block b's region of kind k at a fixed offset.
+
+    `regions` maps kind -> per-block region sizes (bytes, multiples of 4096; 0 = none).
+    Files are created fresh (truncated, then preallocated, so unwritten regions read as
+    zeros: Adam's initial moments). On disk full nothing is left behind."""
+
+    def __init__(self, directory: str | os.PathLike, regions: dict[str, list[int]], o_direct: bool):
+        self.directory = os.fspath(directory)
+        self.o_direct = o_direct
+        os.makedirs(self.directory, exist_ok=True)
+        self.files: dict[str, _SwapFile] = {}
+        self.external: dict[tuple[int, str], tuple[list[tuple[int, int, int, int]], str]] = {}
+        # One engine per swap directory: a second one would overwrite the first's regions.
+        self._lock_fd = os.open(
+            os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600
+        )
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock_fd)
+            raise OffloadError(f"{self.directory} is in use by another offload engine") from exc
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if o_direct else 0)
+        try:
+            for kind, sizes in regions.items():
+                if any(s % ALIGN for s in sizes):
+                    raise ValueError(f"region sizes of {kind!r} must be multiples of 4096")
+                offsets = [0]
+                for s in sizes[:-1]:
+                    offsets.append(offsets[-1] + s)
+                total = sum(sizes)
+                path = os.path.join(self.directory, f"{kind}.swap")
+                try:
+                    fd = os.open(path, flags, 0o600)
+                except OSError as exc:
+                    if o_direct and exc.errno == errno.EINVAL:
+                        raise OffloadIOError(
+                            f"{self.directory} does not support O_DIRECT; "
+                            "use o_direct='auto' or False"
+                        ) from exc
+                    raise translate_os_error(exc, path) from exc
+                self.files[kind] = _SwapFile(kind, path, fd, offsets, list(sizes), total)
+                if total:
+                    try:
+                        os.posix_fallocate(fd, 0, total)
+                    except OSError as exc:
+                        raise translate_os_error(exc, path, total) from exc
+        except BaseException:
+            self.close(remove=True)
+            raise
+
+    def locate(self, block: int, kind: str) -> tuple[int, int, int, str]:
+        """(fd, offset, nbytes, path) of a region."""
+        f = self.files[kind]
+        return f.fd, f.offsets[block], f.sizes[block], f.path
+
+    def map_external(
+        self, block: int, kind: str, extents: list[tuple[int, int, int, int]], path: str
+    ) -> None:
+        """Read region (block, kind) from other files instead, read-only: a list of
+        (fd, file offset, offset in the page, nbytes) (e.g. a model's safetensors)."""
+        self.external[(block, kind)] = (extents, path)
+
+    def extents(self, block: int, kind: str) -> tuple[list[tuple[int, int, int, int]], str]:
+        """Where a region's bytes are: (fd, file offset, offset in the page, nbytes) list."""
+        ext = self.external.get((block, kind))
+        if ext is not None:
+            return ext
+        fd, offset, nbytes, path = self.locate(block, kind)
+        return [(fd, offset, 0, nbytes)], path
+
+    def is_external(self, block: int, kind: str) -> bool:
+        return (block, kind) in self.external
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files.values())
+
+    def kinds(self) -> Iterable[str]:
+        return self.files.keys()
+
+    def sync(self) -> None:
+        for f in self.files.values():
+            os.fsync(f.fd)
+
+    def close(self, remove: bool = False) -> None:
+        for f in self.files.values():
+            try:
+                os.close(f.fd)
+            except OSError:
+                pass
+            if remove:
+                try:
+                    os.unlink(f.path)
+                except FileNotFoundError:
+                    pass
+        self.files = {}
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the lock
+            self._lock_fd = None
+            if remove:
+                try:
+                    os.unlink(os.path.join(self.directory, ".lock"))
+                except FileNotFoundError:
+                    pass

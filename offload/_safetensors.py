@@ -1,0 +1,86 @@
+"""Where each tensor of a .safetensors file lies, read from its header (no dependency).
+
+Format: 8 bytes little-endian header length N, N bytes of JSON {name: {"dtype", "shape",
+"data_offsets": [begin, end]}, "__metadata__": ...}, then the data; offsets count from
+the end of the header. The frozen base weights of a LoRA run are read from here, so
+they are never copied to a swap file and never written."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass
+class TensorExtent:
+    path: str
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    offset: int  # in the file
+    nbytes: int
+
+
+def read_index(path: str) -> dict[str, TensorExtent]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        out[name] = TensorExtent(
+            path, _DTYPES.get(info["dtype"]), tuple(info["shape"]), base + begin, end - begin
+        )
+    return out
+
+
+def candidate_names(param_name: str) -> list[str]:
+    """Names a parameter may have in the files it was loaded from: as is, and without
+    the wrappers peft adds (`base_model.model.` prefix, `.base_layer` infix)."""
+    names = [param_name]
+    plain = param_name.replace(".base_layer.", ".")
+    plain = plain.removeprefix("base_model.model.")
+    if plain != param_name:
+        names.append(plain)
+    return names
+
+
+class SafetensorsSource:
+    """Open read-only handles on a model's .safetensors files and find tensors by name."""
+
+    def __init__(self, paths: list[str]):
+        self.index: dict[str, TensorExtent] = {}
+        for p in paths:
+            self.index.update(read_index(os.fspath(p)))
+        self.fds = {p: os.open(p, os.O_RDONLY) for p in {e.path for e in self.index.values()}}
+
+    def find(self, param_name: str, like: torch.Tensor) -> TensorExtent | None:
+        for name in candidate_names(param_name):
+            e = self.index.get(name)
+            if e is not None and e.dtype == like.dtype and e.shape == tuple(like.shape):
+                return e
+        return None
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
