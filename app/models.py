@@ -96,6 +96,10 @@ class Job(Base):
     eta_s: Mapped[float | None] = mapped_column(Float, default=None)
     phase: Mapped[str] = mapped_column(String(200), default="")  # a short human line
 
+    # Offload engine figures (bytes read/written, GB/s, stall, prefetch hits, peak memory),
+    # refreshed while the job runs.
+    telemetry: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+
     scores: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     artifacts: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # kind -> file path
     error: Mapped[str | None] = mapped_column(Text, default=None)
