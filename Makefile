@@ -42,8 +42,12 @@ lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check app worker offload tests
 	$(VENV)/bin/lint-imports
 
+# The offload engine's benchmark (README "Benchmarks"): ~30-40 min on 2 cores, ~32 GB of
+# temporary swap for the headline (removed afterwards). The real SmolLM2-135M is converted
+# once into the data dir, as `make up` does. BENCH_ARGS="--skip-headline" for a quick run.
 bench: $(VENV)/.test-installed
-	$(PY) -m offload.bench
+	@model="$$($(PY) -c 'from app.settings import settings; from worker.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
+	  && $(PY) -m offload.bench --model-dir "$$model" $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

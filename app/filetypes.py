@@ -27,11 +27,16 @@ SUPPORTED_KINDS: dict[str, str] = {
     "tsv": "csv",  # the CSV reader works out the separator itself
     "jsonl": "jsonl",
     "ndjson": "jsonl",
+    "eml": "eml",
+    "mbox": "mbox",
+    "epub": "epub",
+    "odt": "odt",
 }
 
 # For messages such as "DocTune reads PDF, Word (.docx), ...".
 SUPPORTED_LABEL = (
-    "PDF, Word (.docx), PowerPoint (.pptx), Excel (.xlsx), HTML, Markdown, plain text, "
+    "PDF, Word (.docx), PowerPoint (.pptx), Excel (.xlsx), OpenDocument text (.odt), "
+    "e-books (.epub), e-mail (.eml, .mbox), HTML, Markdown, plain text, "
     "CSV or JSONL of question-answer pairs"
 )
 

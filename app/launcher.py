@@ -2,7 +2,8 @@
 
 Migrations -> embedded model prepared -> Redis (private one if REDIS_URL is unset) ->
 two Celery workers (ingest: quick extraction tasks; train: one job at a time, so jobs
-queue one after another) -> the web app. Ctrl-C (or SIGTERM) stops all of it."""
+queue one after another) -> the folder watcher (app/watcher.py) -> the web app.
+Ctrl-C (or SIGTERM) stops all of it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,9 @@ def run(with_web: bool = True) -> int:
                                                        settings.private_redis_port)))
         procs.append(("ingest worker", subprocess.Popen(_worker_cmd("ingest", 2), env=env)))
         procs.append(("train worker", subprocess.Popen(_worker_cmd("train", 1), env=env)))
+        procs.append(("folder watcher", subprocess.Popen([sys.executable, "-m", "app.watcher"],
+                                                         env=env)))
+        print(f"Watched folders: {settings.inbox_dir} (one per project)", flush=True)
         if with_web:
             procs.append(("web", subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "app.main:app", "--host", settings.host,

@@ -6,7 +6,19 @@ import enum
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    false,
+    text,
+)
 from sqlalchemy.orm import Mapped, mapped_column, relationship
 
 from app.db import Base, utcnow
@@ -35,12 +47,50 @@ class JobState(enum.StrEnum):
 ACTIVE_JOB_STATES = (JobState.queued, JobState.running, JobState.evaluating)
 
 
+class AutoTrain(enum.StrEnum):
+    """When the watched folder queues training by itself."""
+
+    off = "off"
+    changes = "changes"  # once the documents have been unchanged for auto_quiet_s
+    nightly = "nightly"  # every day at auto_nightly_at (local time), if anything changed
+
+
+class Retired(enum.StrEnum):
+    """Why a document version is no longer used for training (kept, never deleted)."""
+
+    replaced = "replaced"  # its file was edited: a newer version took its place
+    deleted = "deleted"  # its file was deleted from the watched folder
+
+
 class Project(Base):
     __tablename__ = "projects"
 
     id: Mapped[int] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+    # The watched folder. None: settings.inbox_dir / a folder named after the project.
+    inbox_path: Mapped[str | None] = mapped_column(Text, default=None)
+    # What the watcher last found there ("ok", "missing", "not a folder", ...) and when.
+    inbox_status: Mapped[str | None] = mapped_column(String(200), default=None)
+    inbox_checked_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
+    # Last time a document was added, changed or retired: the auto-train quiet period
+    # counts from here.
+    last_change_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
+
+    auto_train: Mapped[str] = mapped_column(
+        String(16), default=AutoTrain.off, server_default=AutoTrain.off.value
+    )
+    # "After changes": seconds the documents must stay unchanged before a job is queued.
+    auto_quiet_s: Mapped[int] = mapped_column(Integer, default=600, server_default=text("600"))
+    auto_nightly_at: Mapped[str] = mapped_column(String(5), default="02:00", server_default="02:00")
+    # When the nightly check last ran (it runs at most once per day).
+    auto_fired_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
+    # New jobs start from the current tuned version ("latest") or from the base model ("base").
+    start_from: Mapped[str] = mapped_column(String(8), default="latest", server_default="latest")
+    # The tuned version in use (a done job of this project); None: the latest done job.
+    # No foreign key: projects and jobs would reference each other.
+    current_job_id: Mapped[int | None] = mapped_column(Integer, default=None)
 
     documents: Mapped[list[Document]] = relationship(
         back_populates="project", cascade="all, delete-orphan", order_by="Document.id"
@@ -70,11 +120,26 @@ class Document(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     extracted_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
 
+    # Watched folder: the file's path inside the project's inbox ("/"-separated); None for
+    # uploads. A path has one active version; edits add versions, older ones are retired.
+    source_path: Mapped[str | None] = mapped_column(Text, default=None)
+    version: Mapped[int] = mapped_column(Integer, default=1, server_default=text("1"))
+    # The file's modification time when this version was read: a rescan that finds the same
+    # size and time skips the file without reading it.
+    source_mtime_ns: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    last_seen_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
+    retired_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
+    retired_reason: Mapped[str | None] = mapped_column(String(16), default=None)  # Retired
+
     project: Mapped[Project] = relationship(back_populates="documents")
 
     @property
     def usable(self) -> bool:
-        return self.status == DocStatus.extracted
+        return self.status == DocStatus.extracted and self.retired_at is None
+
+    @property
+    def retired(self) -> bool:
+        return self.retired_at is not None
 
 
 class Job(Base):
@@ -105,6 +170,12 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)
 
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Queued by the watched folder's auto-train rather than the Train button.
+    auto: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # The tuned version this job starts from (incremental training); None: the base model.
+    parent_job_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="SET NULL"), default=None
+    )
     claimed_by: Mapped[str | None] = mapped_column(String(200), default=None)  # worker node name
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     heartbeat_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)

@@ -29,6 +29,20 @@ class Settings(BaseSettings):
     base_model: str = "embedded"
     max_upload_mb: int = 200
     max_files_per_upload: int = 200
+    # Memory (MB) the SSD offload engine may use to train; unset: half of what is free when
+    # a job starts (host RAM, or GPU memory when the model is on a GPU).
+    offload_budget_mb: int | None = Field(default=None, gt=0)
+
+    # The watched folder: one sub-folder per project (a project may name another folder).
+    inbox_dir: Path = Field(default=Path.home() / "DocTune" / "inbox")
+    # A file is taken once its size and modification time held still this long.
+    watch_stable_s: float = 3.0
+    # A full rescan of every inbox this often, on top of the file-system events.
+    watch_rescan_s: float = 30.0
+    # A file that cannot be read (locked, permission denied) is tried this many times.
+    watch_retries: int = 3
+    # "Last seen" on the project page is refreshed this often.
+    watch_seen_every_s: float = 300.0
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -76,6 +90,16 @@ class Settings(BaseSettings):
     @property
     def redis_dir(self) -> Path:
         return self.data_dir / "redis"
+
+    @property
+    def swap_dir(self) -> Path:
+        """Scratch files of the offload engine (one folder per running job)."""
+        return self.data_dir / "swap"
+
+    @property
+    def machine_profile_path(self) -> Path:
+        """This machine's measured disk and compute speed, written by the training worker."""
+        return self.data_dir / "machine_profile.json"
 
 
 settings = Settings()

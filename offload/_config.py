@@ -33,6 +33,10 @@ class OffloadConfig:
         A step whose estimated activations do not fit is refused before it starts.
     chunk_bytes: size of one read or write call.
     keep_swap: leave the swap files in place on close (they are scratch, not a checkpoint).
+    keep_graphs: when every block's autograd graph fits the activation share on top of the
+        step's other activations (an estimate that errs high), keep the graphs from the
+        forward to the backward instead of recomputing each block: one forward of the
+        blocks less per step, same bits. False: always recompute (least memory).
     """
 
     budget_bytes: int
@@ -43,6 +47,7 @@ class OffloadConfig:
     activation_bytes: int | None = None
     chunk_bytes: int = 1 << 20
     keep_swap: bool = False
+    keep_graphs: bool = True
 
     def __post_init__(self):
         if self.budget_bytes <= 0:

@@ -12,6 +12,13 @@ runs the block through `StreamedBlock`:
   gradients of the block's parameters and input, and hands the parameter gradients to
   the optimizer at once: the block is stepped (or its gradients spilled, when clipping)
   and paged out before the next block's backward starts.
+- when every block's autograd graph fits the budget's activation share (the engine's
+  `_keep_graphs`, decided per step), the forward builds the block's graph and keeps it,
+  and the backward differentiates that graph instead of recomputing the block: a forward
+  of every block saved. Saved tensors that point into the block's weight page (the
+  weights themselves, or views of them) are kept as (offset, shape, stride) references
+  (`engine._page_refs`) and rebuilt from the page the backward pins, since the page's
+  buffer holds other blocks in between.
 
 Without autograd (torch.no_grad(): evaluation, generation) a block is simply paged in,
 run and paged out.
@@ -31,24 +38,40 @@ class StreamedBlock(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine, index, fn, args, kwargs, anchor, hidden):
         ctx.engine, ctx.index, ctx.fn, ctx.args, ctx.kwargs = engine, index, fn, args, kwargs
-        ctx.rng = torch.get_rng_state()
+        ctx.graph = None
+        keep = engine._keep_graphs
+        ctx.rng = None if keep else torch.get_rng_state()
         engine._forward_enter(index)
         try:
-            out = fn(hidden, *args, **kwargs)
+            if keep:
+                x = hidden.detach().requires_grad_()
+                with torch.enable_grad(), engine._page_refs(index):
+                    out = fn(x, *args, **kwargs)
+            else:
+                out = fn(hidden, *args, **kwargs)
         finally:
             engine._forward_exit(index)
         if not isinstance(out, torch.Tensor):
             raise TypeError("a streamed block must return a tensor")
+        if keep:
+            ctx.graph = (x, out)
+            return out.detach()
         ctx.save_for_backward(hidden)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (hidden,) = ctx.saved_tensors
         need_x = ctx.needs_input_grad[6]
-        grad_x = ctx.engine._backward_block(
-            ctx.index, ctx.fn, hidden, ctx.args, ctx.kwargs, ctx.rng, grad_out, need_x
-        )
+        if ctx.graph is not None:
+            graph, ctx.graph = ctx.graph, None
+            grad_x = ctx.engine._backward_block(
+                ctx.index, None, None, None, None, None, grad_out, need_x, graph=graph
+            )
+        else:
+            (hidden,) = ctx.saved_tensors
+            grad_x = ctx.engine._backward_block(
+                ctx.index, ctx.fn, hidden, ctx.args, ctx.kwargs, ctx.rng, grad_out, need_x
+            )
         return None, None, None, None, None, None, grad_x
 
 

@@ -338,14 +338,25 @@ class SwapStore:
 
     `regions` maps kind -> per-block region sizes (bytes, multiples of 4096; 0 = none).
     Files are created fresh (truncated, then preallocated, so unwritten regions read as
-    zeros: Adam's initial moments). On disk full nothing is left behind."""
+    zeros: Adam's initial moments). On disk full nothing is left behind.
+
+    Checkpoints without copies (_checkpoint.py): a swap file can be handed over to become a
+    checkpoint file (a rename) while a fresh one takes its place, and a checkpoint can be
+    loaded by pointing every region at it. Such a region is read from the checkpoint file
+    until the engine writes it again, which goes to the swap file: the checkpoint file is
+    only ever read. The store keeps those files open (the checkpoint may be replaced or
+    removed meanwhile) and closes each once no region reads from it."""
 
     def __init__(self, directory: str | os.PathLike, regions: dict[str, list[int]], o_direct: bool):
         self.directory = os.fspath(directory)
         self.o_direct = o_direct
         os.makedirs(self.directory, exist_ok=True)
         self.files: dict[str, _SwapFile] = {}
+        self._flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if o_direct else 0)
         self.external: dict[tuple[int, str], tuple[list[tuple[int, int, int, int]], str]] = {}
+        # (block, kind) -> (fd, file offset, path): read there until written (checkpoints)
+        self.until_written: dict[tuple[int, str], tuple[int, int, str]] = {}
+        self._users: dict[int, int] = {}  # fd of a checkpoint file -> regions reading it
         # One engine per swap directory: a second one would overwrite the first's regions.
         self._lock_fd = os.open(
             os.path.join(self.directory, ".lock"), os.O_RDWR | os.O_CREAT, 0o600
@@ -355,7 +366,7 @@ class SwapStore:
         except OSError as exc:
             os.close(self._lock_fd)
             raise OffloadError(f"{self.directory} is in use by another offload engine") from exc
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if o_direct else 0)
+        flags = self._flags
         try:
             for kind, sizes in regions.items():
                 if any(s % ALIGN for s in sizes):
@@ -402,7 +413,86 @@ class SwapStore:
         if ext is not None:
             return ext
         fd, offset, nbytes, path = self.locate(block, kind)
+        src = self.until_written.get((block, kind))
+        if src is not None:
+            fd, offset, path = src
         return [(fd, offset, 0, nbytes)], path
+
+    def before_write(self, block: int, kind: str) -> None:
+        """Region (block, kind) is about to be written (to its swap region): it is no
+        longer read from a checkpoint file. Read-only regions refuse."""
+        if (block, kind) in self.external:
+            raise OffloadError(f"region {(block, kind)} is read-only")
+        src = self.until_written.pop((block, kind), None)
+        if src is not None:
+            self._release(src[0])
+
+    def _release(self, fd: int) -> None:
+        self._users[fd] -= 1
+        if not self._users[fd]:
+            del self._users[fd]
+            os.close(fd)
+
+    def read_from(self, kind: str, fd: int, path: str) -> None:
+        """Every region of `kind` reads from `fd` (a file laid out like the swap file, e.g.
+        a checkpoint's) until written; the store owns `fd` from now on."""
+        f = self.files[kind]
+        for b, size in enumerate(f.sizes):
+            if not size:
+                continue
+            old = self.until_written.pop((b, kind), None)
+            if old is not None:
+                self._release(old[0])
+            self.until_written[(b, kind)] = (fd, f.offsets[b], path)
+            self._users[fd] = self._users.get(fd, 0) + 1
+        if fd not in self._users:
+            os.close(fd)
+
+    def unwritten(self, kind: str) -> list[tuple[int, int, int, int]]:
+        """(fd, file offset, swap file offset, nbytes) of the regions of `kind` still read
+        from elsewhere."""
+        f = self.files[kind]
+        return [
+            (fd, off, f.offsets[b], f.sizes[b])
+            for (b, k), (fd, off, _) in sorted(self.until_written.items())
+            if k == kind
+        ]
+
+    def forget_unwritten(self, kind: str) -> None:
+        """The swap file of `kind` now holds every region itself (copied in by the caller)."""
+        for key in [k for k in self.until_written if k[1] == kind]:
+            self._release(self.until_written.pop(key)[0])
+
+    def prepare_successor(self, kind: str) -> tuple[int, str]:
+        """A fresh, preallocated file to take over from the swap file of `kind`."""
+        f = self.files[kind]
+        path = f.path + ".next"
+        try:
+            fd = os.open(path, self._flags, 0o600)
+        except OSError as exc:
+            raise translate_os_error(exc, path) from exc
+        try:
+            if f.nbytes:
+                os.posix_fallocate(fd, 0, f.nbytes)
+        except BaseException as exc:
+            os.close(fd)
+            os.unlink(path)
+            if isinstance(exc, OSError):
+                raise translate_os_error(exc, path, f.nbytes) from exc
+            raise
+        return fd, path
+
+    def hand_over(self, kind: str, dest: str, successor: tuple[int, str]) -> None:
+        """Rename the swap file of `kind` to `dest` (same filesystem; the caller made it
+        complete and durable), put `successor` in its place, and read every region from
+        `dest` until it is written again."""
+        f = self.files[kind]
+        fd, path = successor
+        os.rename(f.path, dest)
+        os.rename(path, f.path)
+        old = f.fd
+        f.fd = fd
+        self.read_from(kind, old, dest)
 
     def is_external(self, block: int, kind: str) -> bool:
         return (block, kind) in self.external
@@ -414,11 +504,14 @@ class SwapStore:
     def kinds(self) -> Iterable[str]:
         return self.files.keys()
 
-    def sync(self) -> None:
-        for f in self.files.values():
-            os.fsync(f.fd)
+    def sync(self, kinds: Iterable[str] | None = None) -> None:
+        for kind in self.files if kinds is None else kinds:
+            os.fsync(self.files[kind].fd)
 
     def close(self, remove: bool = False) -> None:
+        for fd in self._users:
+            os.close(fd)
+        self._users, self.until_written = {}, {}
         for f in self.files.values():
             try:
                 os.close(f.fd)

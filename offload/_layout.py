@@ -85,10 +85,12 @@ class BlockLayout:
         for s in self.weight_slots:
             s.param.data = placeholder(s.param)
 
-    def fill(self, page: torch.Tensor) -> None:
-        """Copy the parameters' current values into a weights page (engine start-up)."""
+    def fill(self, page: torch.Tensor, skip: set[int] | frozenset = frozenset()) -> None:
+        """Copy the parameters' current values into a weights page (engine start-up),
+        except those whose id is in `skip` (created in the page by the caller)."""
         for s in self.weight_slots:
-            s.view(page).copy_(s.param.data)
+            if id(s.param) not in skip:
+                s.view(page).copy_(s.param.data)
 
     def state_views(self, page: torch.Tensor) -> list[torch.Tensor]:
         return [s.view(page) for s in self.state_slots]

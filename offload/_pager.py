@@ -269,8 +269,7 @@ class Pager:
 
     def _start_write(self, page: _Page) -> None:
         assert page.key is not None
-        if self.store.is_external(*page.key):
-            raise OffloadError(f"region {page.key} is read-only")
+        self.store.before_write(*page.key)  # read-only regions refuse
         fd, offset, nbytes, path = self.store.locate(*page.key)
         page.dirty = False
         req = self.io.write(fd, offset, page.view[:nbytes], path)

@@ -58,8 +58,10 @@ from ._io import (
 from ._layout import EXP_AVG, EXP_AVG_SQ, GRAD, WEIGHT, BlockLayout
 from ._optim import make_adamw, norm_order, step_tensor_factory, tensor_norms, total_norm
 from ._pager import Key, Pager
-from ._plan import activation_bytes
+from ._plan import activation_bytes, graph_bytes
 from ._safetensors import SafetensorsSource
+
+_PAGE_REF = object()  # marks a saved tensor kept as a place in a weight page (_page_refs)
 
 
 class OffloadBudgetError(OffloadError):
@@ -97,6 +99,24 @@ def _peak_rss_bytes() -> int | None:
     return None
 
 
+def _unmeta_blocks(blocks: Sequence[torch.nn.Module]) -> set[int]:
+    """Replace the blocks' meta-device parameters by CPU ones of the same shape, dtype and
+    requires_grad that hold no memory (a broadcast NaN, like an unbound parameter), so the
+    engine can page them; returns the ids of the new parameters."""
+    out: set[int] = set()
+    for block in blocks:
+        for mod in block.modules():
+            for name, p in list(mod._parameters.items()):
+                if p is None or p.device.type != "meta":
+                    continue
+                fill = float("nan") if p.dtype.is_floating_point else 0
+                data = torch.full((1,), fill, dtype=p.dtype).expand(p.shape)
+                new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+                mod._parameters[name] = new
+                out.add(id(new))
+    return out
+
+
 class OffloadEngine:
     """Trains `model` under `config.budget_bytes` of memory, paging blocks to `config.swap_dir`.
 
@@ -111,10 +131,16 @@ class OffloadEngine:
         *,
         blocks: Sequence[torch.nn.Module] | None = None,
         weights_files: Sequence[str | os.PathLike] | None = None,
+        init_weights: Callable[[str, torch.Tensor], None] | None = None,
     ):
         """`weights_files`: the .safetensors files the model was loaded from. With a frozen
         base, blocks whose frozen weights are found there byte for byte (same names, dtype,
-        shape) are read from those files directly: no swap copy, nothing ever written."""
+        shape) are read from those files directly: no swap copy, nothing ever written.
+
+        `init_weights(name, tensor)`: block parameters on the meta device (a model built
+        under `torch.device("meta")`, too large to exist in memory) are created in their
+        swap page instead, one block at a time: the engine hands each one's page view to
+        init_weights, which fills it in place. Everything outside the blocks must be real."""
         if config is None:
             raise ValueError("an OffloadConfig (budget_bytes, swap_dir) is required")
         self.config = (
@@ -123,6 +149,7 @@ class OffloadEngine:
         self.optim = AdamWConfig.coerce(optimizer_config)
         self.model = model
         self._blocks = list(blocks) if blocks is not None else find_blocks(model)
+        self._meta_params = _unmeta_blocks(self._blocks) if init_weights is not None else set()
         self.step_count = 0
         self._in_step = False
         self._failed: BaseException | None = None
@@ -245,6 +272,8 @@ class OffloadEngine:
             self._act_budget = budget - self._owned_bytes
             self.peak_bytes = self._owned_bytes
             self._last_act_est: int | None = None
+            self._keep_graphs = False  # this step keeps block graphs (no recompute)
+            self.kept_graphs = False  # the last step did
 
             # -- optimizers ------------------------------------------------------------------
             dtype = named[0][1].dtype if named else torch.float32
@@ -267,7 +296,10 @@ class OffloadEngine:
                     continue
                 page = self._pager.get((layout.index, WEIGHT), read=False)
                 page.tensor.zero_()
-                layout.fill(page.tensor)
+                layout.fill(page.tensor, skip=self._meta_params)
+                for s in layout.weight_slots:
+                    if id(s.param) in self._meta_params:
+                        init_weights(s.name, s.view(page.tensor))
                 layout.unbind()
                 self._pager.release(page, dirty=True)
             self._pager.flush()
@@ -312,12 +344,14 @@ class OffloadEngine:
         n = int(batch["input_ids"].shape[0])
         size = math.ceil(n / max(1, micro_batches))
         micros = [{k: v[s : s + size] for k, v in batch.items()} for s in range(0, n, size)]
-        for micro in micros:
-            ids = micro["input_ids"]
-            self._check_activations(int(ids.shape[0]), int(ids.shape[-1]))
+        keep = [
+            self._check_activations(int(m["input_ids"].shape[0]), int(m["input_ids"].shape[-1]))
+            for m in micros
+        ]
         t0 = time.perf_counter()
         total = 0.0
         self._in_step = True
+        self._keep_graphs = self.kept_graphs = all(keep)
         try:
             for j, micro in enumerate(micros):
                 self._micro, self._final = j, j == len(micros) - 1
@@ -337,6 +371,7 @@ class OffloadEngine:
             raise
         finally:
             self._in_step = False
+            self._keep_graphs = False
             self._has_grad.clear()
             self._norms.clear()
         self.step_count += 1
@@ -352,7 +387,7 @@ class OffloadEngine:
         """Loss of `batch` without training (blocks stream as in the forward)."""
         self._check_usable()
         ids = batch["input_ids"]
-        self._check_activations(int(ids.shape[0]), int(ids.shape[-1]))
+        self._check_activations(int(ids.shape[0]), int(ids.shape[-1]), training=False)
         self._start_schedule(training=False)
         if loss_fn is not None:
             return float(loss_fn(self.model, batch))
@@ -408,6 +443,7 @@ class OffloadEngine:
             "block_grad_bytes": self.block_grad_bytes,
             "scratch_bytes": self.scratch_bytes,
             "activation_bytes_est": self._last_act_est,
+            "kept_graphs": self.kept_graphs,
             "peak_bytes": self.peak_bytes,
             "peak_rss_bytes": _peak_rss_bytes(),
             "swap_bytes": self._store.nbytes,
@@ -462,17 +498,46 @@ class OffloadEngine:
         if i == len(self._layouts) - 1 and not self._in_step:
             self._schedule = []
 
-    def _backward_block(self, i, fn, hidden, args, kwargs, rng, grad_out, need_x):
+    def _page_refs(self, i: int):
+        """saved_tensors_hooks for block i's kept graph: a saved tensor inside the pool
+        (block i's weights, bound in its page) is stored as its place in that page and
+        rebuilt from whichever page holds block i's weights when the backward runs."""
+        pool = self._pool.storage.untyped_storage().data_ptr()
+
+        def pack(t: torch.Tensor):
+            if t.device.type != "cpu" or t.untyped_storage().data_ptr() != pool:
+                return t
+            page = self._pinned[(i, WEIGHT)].tensor
+            off = t.data_ptr() - page.data_ptr()
+            if not 0 <= off < page.numel():
+                raise OffloadError(f"block {i} saved a tensor of another block's page")
+            return (_PAGE_REF, off // t.element_size(), tuple(t.shape), t.stride(), t.dtype)
+
+        def unpack(v):
+            if not (isinstance(v, tuple) and v and v[0] is _PAGE_REF):
+                return v
+            _, off, shape, stride, dtype = v
+            flat = self._pinned[(i, WEIGHT)].tensor.view(dtype)
+            return flat.as_strided(shape, stride, flat.storage_offset() + off)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def _backward_block(self, i, fn, hidden, args, kwargs, rng, grad_out, need_x, graph=None):
+        """Block i's gradients: from its kept graph (x, out), or by recomputing it."""
         layout = self._layouts[i]
         w = self._demand((i, WEIGHT))
         layout.bind(w.tensor)
         self._pinned[(i, WEIGHT)] = w
         streamed = layout.trainable
         resident = self._block_resident[i]
-        x = hidden.detach().requires_grad_(need_x)
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(rng)
-            out = fn(x, *args, **kwargs)
+        if graph is not None:
+            x, out = graph
+            del graph
+        else:
+            x = hidden.detach().requires_grad_(need_x)
+            with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(rng)
+                out = fn(x, *args, **kwargs)
         inputs = ([x] if need_x else []) + streamed + resident
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True) if inputs else ()
         del out
@@ -649,10 +714,13 @@ class OffloadEngine:
 
     # -- budget and failure ------------------------------------------------------------------
 
-    def _check_activations(self, batch: int, seq: int) -> None:
+    def _check_activations(self, batch: int, seq: int, training: bool = True) -> bool:
+        """Refuse a batch whose activations do not fit the budget. True when, on top of
+        them, every block's autograd graph fits too (config.keep_graphs): the step then
+        keeps the graphs instead of recomputing each block in the backward."""
         cfg = getattr(self.model, "config", None)
         if cfg is None or getattr(cfg, "hidden_size", None) is None:
-            return
+            return False
         dtype_bytes = self._named[0][1].element_size() if self._named else 4
         est = activation_bytes(cfg, batch, seq, dtype_bytes)
         if est > self._act_budget:
@@ -661,8 +729,14 @@ class OffloadEngine:
                 f"activations; the budget leaves {self._act_budget / 2**20:.1f} MiB after the "
                 "engine's buffers. Use a smaller batch or sequence, or a larger budget."
             )
+        keep = False
+        if training and self.config.keep_graphs:
+            kept = est + graph_bytes(cfg, batch, seq, dtype_bytes)
+            if kept <= self._act_budget:
+                est, keep = kept, True
         self._last_act_est = est
         self.peak_bytes = max(self.peak_bytes, self._owned_bytes + est)
+        return keep
 
     def _check_usable(self) -> None:
         if self._closed:

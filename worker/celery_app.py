@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from celery.signals import worker_ready
 
 from app.queue import TRAIN_QUEUE, make_celery
@@ -22,3 +24,14 @@ def _reconcile_on_start(sender, **_kwargs) -> None:
         from worker.reconcile import requeue_orphaned_jobs
 
         requeue_orphaned_jobs(node=sender.hostname)
+        _measure_machine()
+
+
+def _measure_machine() -> None:
+    """Measure disk and CPU speed once, in a child process, for the Train button's estimate."""
+    from worker.machine_profile import start_measuring
+
+    try:
+        start_measuring()
+    except Exception:  # an estimate is a nicety: never keep the worker from starting
+        logging.getLogger(__name__).exception("could not start measuring this machine")

@@ -2,6 +2,7 @@
 
   doctune up                 run everything (Redis if needed, workers, web app)
   doctune web [--migrate]    only the web app (docker-compose runs one process per service)
+  doctune watch              only the folder watcher (each project's inbox folder)
   doctune train DIR ...      headless: documents in DIR -> tuned model zip, same code as the web job
 """
 
@@ -30,6 +31,12 @@ def _cmd_web(args) -> int:
         upgrade_to_head()
     uvicorn.run("app.main:app", host=settings.host, port=settings.port)
     return 0
+
+
+def _cmd_watch(_args) -> int:
+    from app.watcher import main as watch
+
+    return watch()
 
 
 def _cmd_train(args) -> int:
@@ -66,9 +73,23 @@ def _print_summary(result: dict) -> None:
     scores = result.get("scores") or {}
     before, after = scores.get("before") or {}, scores.get("after") or {}
     if after:
-        print(f"  knowledge recall: {before.get('n_recalled')}/{before.get('n_probes')} -> "
-              f"{after.get('n_recalled')}/{after.get('n_probes')}")
+        from app.services.verdict import verdict
+
+        q_before, q_after = before.get("questions") or {}, after.get("questions") or {}
+        if q_after.get("n"):
+            print(f"  knowledge recall (questions): {q_before.get('n_recalled')}/{q_after['n']} -> "
+                  f"{q_after.get('n_recalled')}/{q_after['n']}")
+        print(f"  knowledge recall (completions): {before.get('n_recalled')}/"
+              f"{before.get('n_probes')} -> {after.get('n_recalled')}/{after.get('n_probes')}")
         print(f"  held-out perplexity: {before.get('perplexity')} -> {after.get('perplexity')}")
+        general_b = (before.get("general") or {}).get("perplexity")
+        general_a = (after.get("general") or {}).get("perplexity")
+        if general_a is not None:
+            print(f"  forgetting check (general-text perplexity): {general_b} -> {general_a}")
+        v = verdict(before, after, result.get("params"))
+        print(f"  verdict: {v.headline}")
+        for advice in v.advice:
+            print(f"    - {advice}")
     if result.get("out"):
         print(f"  model: {result['out']}")
 
@@ -80,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     web = sub.add_parser("web", help="only the web app")
     web.add_argument("--migrate", action="store_true", help="apply database migrations first")
     web.set_defaults(func=_cmd_web)
+    sub.add_parser("watch", help="only the folder watcher").set_defaults(func=_cmd_watch)
     train = sub.add_parser("train", help="train on the documents in a folder, without the web app")
     train.add_argument("dir", help="folder of documents (PDF, DOCX, HTML, MD, TXT, CSV/JSONL Q&A...)")
     train.add_argument("--method", choices=["lora", "full"])

@@ -24,6 +24,10 @@ class Probe:
     answer: str
     source: str  # document name
     sentence: str = ""  # the source sentence, shown on the score card
+    # The same fact asked as a question in chat, in a phrasing kept out of training
+    # (worker.questions); "" when none could be made.
+    question: str = ""
+    template: str = ""  # which question template made `question`
 
 
 @dataclass

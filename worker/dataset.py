@@ -12,8 +12,9 @@ import random
 import re
 from dataclasses import dataclass
 
-from worker.corpus import DatasetSplit, SourceDoc
-from worker.probes import make_probes, split_sentences
+from worker.corpus import DatasetSplit, Probe, SourceDoc
+from worker.probes import fact_spans, make_probes, normalise, split_sentences
+from worker.questions import training_questions
 
 IGNORE_INDEX = -100  # label value the loss skips (the trainer pads labels with it too)
 
@@ -173,6 +174,43 @@ def _sample(n: int, k: int, seed: int, stream: str) -> set[int]:
 
 
 # ---------------------------------------------------------------------------------------
+# Practice questions
+
+# Training templates in the order they are used when only some fit (see worker.questions).
+_TEMPLATE_ORDER = ("fronted", "echo", "topic", "fill_blank", "complete")
+
+
+def make_generated_qa(
+    docs: list[tuple[str, str]], probes: list[Probe], per_fact: int
+) -> list[tuple[str, str]]:
+    """(question, answer) pairs teaching every fact of `docs`, at most `per_fact` phrasings
+    each, in a deterministic order.
+
+    Honesty: no fact of a probed sentence is asked in a probe template (so a question about
+    another span of the same sentence cannot hand over the probe's question and answer), and
+    no question equals any probe question (after normalising): the recall score measures
+    answering questions worded in a way the model never trained on.
+    """
+    probed = {p.sentence for p in probes}
+    probe_questions = {normalise(p.question) for p in probes if p.question}
+    seen: set[str] = set()
+    out: list[tuple[str, str]] = []
+    for fact in fact_spans(docs):
+        is_probed = fact.sentence in probed
+        made = training_questions(fact, probed=is_probed)
+        made.sort(key=lambda t: _TEMPLATE_ORDER.index(t[0]))
+        kept = 0
+        for _template, question, answer in made:
+            key = normalise(question)
+            if kept >= per_fact or key in seen or key in probe_questions:
+                continue
+            seen.add(key)
+            out.append((question, answer))
+            kept += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------
 
 
 def build_dataset(
@@ -182,6 +220,7 @@ def build_dataset(
     holdout_frac: float = 0.1,
     seed: int = 0,
     max_probes: int = 40,
+    generated_qa: int = 0,
 ) -> DatasetSplit:
     """Training examples, held-out chunks and Q&A pairs, and recall probes for one job.
 
@@ -193,6 +232,10 @@ def build_dataset(
     - A seeded share of chunks and pairs is held out (none of either when there are
       fewer than 3). Probes come from the text that is trained on: a fact in a held-out
       chunk was never shown to the model, so probing it would not measure learning.
+    - With `generated_qa` > 0, each fact-bearing sentence of the trained text also becomes
+      up to that many question-answer examples per fact (worker.questions templates, in chat
+      format, loss on the answer), so the model learns to answer, not only to recite. A
+      probed fact is never taught in its probe's phrasing (see make_generated_qa).
     - Documents are ordered by name and content hash, identical documents and identical
       chunks are kept once, so the result does not depend on the order of `docs`.
     """
@@ -301,9 +344,6 @@ def build_dataset(
     if n_skipped:
         notes.append(f"{n_skipped} question(s) were too long for {max_seq_len} tokens: skipped.")
 
-    # Mix documents and Q&A (a trainer that does not shuffle still sees both throughout).
-    random.Random(f"doctune-order-{seed}").shuffle(examples)
-
     # Probes from the trained-on text of each document.
     probe_docs: list[tuple[str, str]] = []
     for d, doc in enumerate(ordered):
@@ -323,10 +363,31 @@ def build_dataset(
             f"{len(probes)} recall probes from {len({p.source for p in probes})} document(s)."
         )
 
+    # Question-answer examples made from the facts of the trained-on text.
+    n_generated = 0
+    if generated_qa > 0:
+        pairs = make_generated_qa(probe_docs, probes, generated_qa)
+        for q, a in pairs:
+            ids, n_prompt = encode_qa(tokenizer, q, a)
+            if len(ids) > max_seq_len:
+                continue
+            labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
+            examples.append({"input_ids": ids, "labels": labels})
+            n_generated += 1
+        if n_generated:
+            notes.append(
+                f"{n_generated} practice questions were made from the facts in your documents "
+                "(the recall check asks in other words)."
+            )
+
+    # Mix documents and Q&A (a trainer that does not shuffle still sees both throughout).
+    random.Random(f"doctune-order-{seed}").shuffle(examples)
+
     stats = {
         "n_train_examples": len(examples),
         "n_train_chunks": n_train_chunks,
         "n_train_qa": n_train_qa,
+        "n_train_generated_qa": n_generated,
         "n_train_tokens": sum(len(e["input_ids"]) for e in examples),
         "n_train_loss_tokens": sum(
             sum(1 for t in e["labels"] if t != IGNORE_INDEX) for e in examples

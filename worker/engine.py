@@ -1,17 +1,23 @@
-"""How one optimizer step is carried out: the seam the SSD offload engine will plug into.
+"""How one optimizer step is carried out: where weights, gradients and optimizer states live.
 
 A recipe hands the engine a padded batch and gets the loss back; it knows nothing about where
-weights, gradients and optimizer states live. `InMemoryEngine` keeps all of them in RAM, the
-plain PyTorch way, and is the reference the offload engine must match bit for bit.
+the training state lives. `InMemoryEngine` keeps all of it in RAM, the plain PyTorch way, and
+is the reference. `OffloadTrainEngine` (what jobs use) runs the same arithmetic through the
+SSD offload engine (offload/) under a memory budget, and matches it bit for bit.
+
+Both offer: step(batch) -> loss, learning_rate, steps_done, save_checkpoint(dir) /
+load_checkpoint(dir) (files in a directory the recipe owns), telemetry(), close().
 """
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
 
@@ -149,3 +155,166 @@ class InMemoryEngine:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.steps_done = int(state["steps_done"])
+
+    # -- the checkpoint calls the recipe makes (files in a directory it owns) ---------------
+    def save_checkpoint(self, directory: Path) -> None:
+        """Trainable weights (weights.safetensors) and optimizer/scheduler/step (state.pt)."""
+        state = self.state_dict()
+        weights = {n: t.contiguous() for n, t in state.pop("weights").items()}
+        save_file(weights, Path(directory) / "weights.safetensors")
+        torch.save(state, Path(directory) / "state.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        state = torch.load(Path(directory) / "state.pt", weights_only=True)
+        state["weights"] = load_file(Path(directory) / "weights.safetensors")
+        self.load_state_dict(state)
+
+    def telemetry(self) -> dict | None:
+        """Nothing pages: no memory or disk figures to report."""
+        return None
+
+    def close(self, restore_weights: bool = True) -> None:
+        """Free the gradients and optimizer state; the model keeps its weights."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.state.clear()
+
+
+# -- the SSD offload engine ------------------------------------------------------------------
+
+# Share of the free memory an automatic budget takes: the rest is for the OS, the tokenizer,
+# evaluation and whatever else runs on the machine.
+BUDGET_SHARE = 0.5
+
+# The engine's figures a job row keeps (the page shows a few, /api/jobs/{id} all of them).
+TELEMETRY_KEYS = (
+    "mode", "streaming", "o_direct", "budget_bytes", "pool_bytes", "peak_bytes",
+    "peak_rss_bytes", "swap_bytes", "blocks_read_from_weights_files", "step_s",
+    "bytes_read", "bytes_written", "read_gbps", "write_gbps", "stall_s",
+    "prefetch_hits", "prefetch_misses", "prefetch_hit_rate",
+)  # fmt: skip
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (what can be used without swapping), else None."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def auto_budget_bytes(model: torch.nn.Module | None = None, share: float = BUDGET_SHARE) -> int:
+    """The engine's memory budget when none is configured: `share` of the free memory of
+    the device the model is on (CUDA free memory, or the host's available RAM)."""
+    device = next(iter(model.parameters())).device if model is not None else None
+    if device is not None and device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * share)
+    free = available_memory_bytes()
+    if free is None:  # no /proc: physical memory is the best guess left
+        free = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free * share)
+
+
+class OffloadTrainEngine:
+    """InMemoryEngine's contract and arithmetic, run by `offload.OffloadEngine`.
+
+    The transformer blocks page between a memory budget and files in `swap_dir`; what does
+    not fit streams from the SSD (LoRA: the frozen base weights are read straight from the
+    model's `weights_files`, nothing is written). Same AdamW, same parameter groups (1-D
+    parameters not decayed), same clipping, same summed loss over the batch's label tokens
+    and the same LR schedule as InMemoryEngine: the losses and weights are bitwise equal.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        learning_rate: float,
+        total_steps: int,
+        budget_bytes: int,
+        swap_dir: str | os.PathLike,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        grad_clip: float | None = 1.0,
+        grad_accum: int = 1,
+        weights_files: list[str | os.PathLike] | None = None,
+        prefetch: int = 2,
+        activation_bytes: int | None = None,
+    ) -> None:
+        from offload import AdamWConfig, OffloadConfig, OffloadEngine, find_blocks
+
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("The model has no trainable parameters.")
+        self.model = model
+        self.grad_accum = max(1, grad_accum)
+        self.base_lr = learning_rate
+        self._factor = warmup_linear_decay(total_steps, warmup_steps)
+        self.steps_done = 0
+        self.n_blocks = len(find_blocks(model))
+        optim = AdamWConfig(
+            lr=learning_rate * self._factor(0),
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=weight_decay,
+            max_grad_norm=grad_clip or None,  # InMemoryEngine clips only when grad_clip is set
+            no_decay_1d=True,
+        )
+        config = OffloadConfig(
+            budget_bytes=int(budget_bytes),
+            swap_dir=os.fspath(swap_dir),
+            prefetch=prefetch,
+            activation_bytes=activation_bytes,
+        )
+        files = [os.fspath(f) for f in weights_files or []]
+        self.engine = OffloadEngine(model, optim, config, weights_files=files or None)
+
+    @property
+    def learning_rate(self) -> float:
+        """The LR of the next step (as InMemoryEngine's scheduler leaves it)."""
+        return self.base_lr * self._factor(self.steps_done)
+
+    def step(self, batch: dict[str, torch.Tensor]) -> float:
+        """One optimizer step on `batch`; returns the mean token loss of the batch."""
+        denom = max(1, int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()))
+        self.engine.set_lr(self.learning_rate)
+        loss = self.engine.step(
+            batch,
+            loss_fn=lambda model, micro: lm_loss_sum(model, micro) / denom,
+            micro_batches=self.grad_accum,
+        )
+        self.steps_done += 1
+        return loss
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """The engine's checkpoint (manifest.json and its .bin files: the swap files for full
+        fine-tuning, the resident parameters with their Adam state, the torch RNG)."""
+        self.engine.save_checkpoint(directory, extra={"steps_done": self.steps_done})
+
+    def load_checkpoint(self, directory: Path) -> None:
+        extra = self.engine.load_checkpoint(directory)
+        self.steps_done = int(extra["steps_done"])
+
+    def telemetry(self) -> dict:
+        """The engine's counters since it started, JSON-safe, plus the block count."""
+        t = self.engine.telemetry()
+        out = {k: t.get(k) for k in TELEMETRY_KEYS}
+        out["blocks"] = self.n_blocks
+        return out
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's real weights (copies), streamed blocks included: for export."""
+        return self.engine.model_state_dict()
+
+    def close(self, restore_weights: bool = True) -> None:
+        """Stop the engine and remove its swap files; with `restore_weights` the model holds
+        its trained weights in memory again (for scoring and export)."""
+        from offload import OffloadError
+
+        try:
+            self.engine.close(restore_weights=restore_weights)
+        except OffloadError:  # a failed step: the weights are only good in the checkpoint
+            self.engine.close()

@@ -1,4 +1,5 @@
-"""The quality score: held-out perplexity, knowledge recall on probes, Q&A answers.
+"""The quality score: knowledge recall (facts asked as questions in chat, and as sentence
+completions), held-out perplexity, the user's own Q&A, and a forgetting check.
 
 Run once on the base model and once on the tuned one with the same DatasetSplit, so the
 two scores are comparable. Greedy decoding everywhere: the score is reproducible.
@@ -6,17 +7,24 @@ two scores are comparable. Greedy decoding everywhere: the score is reproducible
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import string
-from collections import Counter
+from functools import cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from worker.corpus import DatasetSplit
+from worker.corpus import DatasetSplit, Probe
 from worker.dataset import encode_text, qa_prompt_ids
 from worker.probes import contains_answer
+
+# The forgetting check's sample: plain general English written for DocTune (not from any
+# data set), so a rise in its perplexity means the model got worse at ordinary text.
+GENERAL_TEXT = Path(__file__).parent / "data" / "general_text.txt"
 
 # Upper bound on tokens per perplexity forward pass: the float32 logits of one pass
 # take tokens x vocab x 4 bytes (4096 x 49152 x 4 = 0.8 GB for SmolLM2).
@@ -24,7 +32,7 @@ _PPL_TOKENS_PER_BATCH = 4096
 
 
 # ---------------------------------------------------------------------------------------
-# Answer metrics (small on purpose: a later change may swap in a library metric).
+# Answer metrics
 
 
 def squad_normalise(text: str) -> str:
@@ -36,17 +44,15 @@ def squad_normalise(text: str) -> str:
 
 
 def token_f1(prediction: str, reference: str) -> float:
-    """SQuAD-style token F1 between a model answer and the reference answer."""
-    pred = squad_normalise(prediction).split()
-    ref = squad_normalise(reference).split()
-    if not pred or not ref:
-        return float(pred == ref)
-    common = Counter(pred) & Counter(ref)
-    overlap = sum(common.values())
-    if overlap == 0:
-        return 0.0
-    precision, recall = overlap / len(pred), overlap / len(ref)
-    return 2 * precision * recall / (precision + recall)
+    """SQuAD token F1 between a model answer and the reference answer (0..1), computed by
+    torchmetrics' implementation of the official SQuAD script."""
+    from torchmetrics.functional.text import squad
+
+    out = squad(
+        [{"prediction_text": prediction, "id": "0"}],
+        [{"answers": {"answer_start": [0], "text": [reference]}, "id": "0"}],
+    )
+    return round(float(out["f1"]) / 100, 6)
 
 
 def score_answer(output: str, answer: str) -> dict:
@@ -142,11 +148,42 @@ def generate(
 # ---------------------------------------------------------------------------------------
 
 
+@cache
+def general_text() -> str:
+    return GENERAL_TEXT.read_text(encoding="utf-8")
+
+
+def general_chunks() -> list[str]:
+    """The forgetting-check sample, one paragraph per chunk."""
+    return [p.strip() for p in general_text().split("\n\n") if p.strip()]
+
+
+def probe_set_id(probes: list[Probe]) -> str:
+    """A fingerprint of a probe set: two jobs with the same one were asked the same things."""
+    key = sorted([p.prompt, p.answer, p.question] for p in probes)
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
+
 def evaluate(
-    model, tokenizer, split: DatasetSplit, max_new_tokens: int = 24, batch_size: int = 8
+    model,
+    tokenizer,
+    split: DatasetSplit,
+    max_new_tokens: int = 24,
+    batch_size: int = 8,
+    answer_tokens: int = 48,
+    general: bool = True,
 ) -> dict:
-    """Score `model` on a DatasetSplit; a JSON-serialisable dict: perplexity, recall with
-    per-probe outputs, and held-out Q&A F1 / containment with per-question outputs.
+    """Score `model` on a DatasetSplit; a JSON-serialisable dict (one side of Job.scores):
+
+    - perplexity: on the held-out chunks (None without any);
+    - recall / n_probes / n_recalled / probes: the probes as sentence completions (the
+      model reads the text before the fact and continues it, `max_new_tokens`);
+    - questions: the same facts asked as questions in the chat format, in phrasings kept
+      out of training (`answer_tokens` to answer); {n, n_recalled, recall, items};
+    - qa: the user's held-out question-answer pairs, token F1 and containment;
+    - general: the forgetting check, perplexity on a general-English sample shipped with
+      the app (skipped with general=False);
+    - probe_set: fingerprint of the probes, so two jobs can be compared on the same ones.
 
     Works with plain transformers models and peft-wrapped ones; the model is put in eval
     mode and put back in training mode afterwards if it was training.
@@ -155,6 +192,11 @@ def evaluate(
     model.eval()
     try:
         ppl = perplexity(model, tokenizer, split.heldout_chunks, batch_size=batch_size)
+        general_ppl = (
+            perplexity(model, tokenizer, general_chunks(), batch_size=batch_size)
+            if general
+            else None
+        )
 
         probe_prompts = [encode_text(tokenizer, p.prompt) for p in split.probes]
         probe_outputs = generate(model, tokenizer, probe_prompts, max_new_tokens, batch_size)
@@ -170,6 +212,28 @@ def evaluate(
         ]
         n_recalled = sum(p["hit"] for p in probes)
 
+        asked = [p for p in split.probes if p.question]
+        q_outputs = generate(
+            model,
+            tokenizer,
+            [qa_prompt_ids(tokenizer, p.question) for p in asked],
+            answer_tokens,
+            batch_size,
+        )
+        questions = [
+            {
+                "question": p.question,
+                "answer": p.answer,
+                "output": out,
+                "hit": contains_answer(out, p.answer),
+                "source": p.source,
+                "sentence": p.sentence,
+                "template": p.template,
+            }
+            for p, out in zip(asked, q_outputs, strict=True)
+        ]
+        n_q_hit = sum(q["hit"] for q in questions)
+
         qa_prompts = [qa_prompt_ids(tokenizer, q) for q, _ in split.heldout_qa]
         qa_outputs = generate(model, tokenizer, qa_prompts, max_new_tokens, batch_size)
         items = []
@@ -181,12 +245,22 @@ def evaluate(
 
     n_qa = len(items)
     return {
+        "probe_set": probe_set_id(split.probes),
         "perplexity": ppl,
         "n_heldout_chunks": len(split.heldout_chunks),
         "recall": n_recalled / len(probes) if probes else None,
         "n_probes": len(probes),
         "n_recalled": n_recalled,
         "probes": probes,
+        "questions": {
+            "n": len(questions),
+            "n_recalled": n_q_hit,
+            "recall": n_q_hit / len(questions) if questions else None,
+            "items": questions,
+        },
+        "general": {"perplexity": general_ppl, "n_paragraphs": len(general_chunks())}
+        if general
+        else None,
         "qa": {
             "n": n_qa,
             "f1": sum(i["f1"] for i in items) / n_qa if n_qa else None,

@@ -1,5 +1,6 @@
-"""Downloads a finished job offers: the LoRA adapter and the merged model, each one zip in
-Hugging Face layout with a README.md model card.
+"""Downloads a finished job offers, each one zip carrying a README.md model card: the LoRA
+adapter and the merged model (Hugging Face layout), and GGUF files for llama.cpp / Ollama
+(float16 and Q8_0, each with an Ollama Modelfile).
 
 Zips are streamed from files on disk (never built in memory) and appear atomically: written
 as `<name>.tmp`, fsynced, renamed. Weights are stored uncompressed (they do not compress).
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
+import re
 import tempfile
 import zipfile
 from pathlib import Path
@@ -36,18 +39,35 @@ def _recall(scores: dict) -> str:
     return "n/a (no probes)"
 
 
+def _questions(scores: dict) -> str:
+    q = scores.get("questions") or {}
+    n, hit = q.get("n"), q.get("n_recalled")
+    if n:
+        return f"{hit} of {n} ({100 * hit / n:.0f}%)"
+    return "n/a (no probes)"
+
+
 def _pct(value) -> str:
     return "n/a" if value is None else f"{100 * value:.0f}%"
 
 
+def _cell(text, limit: int = 120) -> str:
+    """Markdown table cell: one line, pipes escaped, shortened."""
+    text = " ".join(str(text or "").split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def model_card(info: dict) -> str:
-    """README.md for an export.
+    """README.md for every download of a job: what was trained, on what, how well, and how
+    to load each file.
 
     `info` keys: base_model (display name), base_model_id (what `from_pretrained` should load
     on the user's machine), method, params (dict), documents (list of {name, sha256}),
     scores ({"before": eval dict, "after": eval dict}), optional title, dataset (stats),
     notes (list of str).
     """
+    from app.services.verdict import verdict
+
     method = info.get("method", "lora")
     title = info.get("title") or "Fine-tuned model"
     base = info.get("base_model", "unknown")
@@ -61,6 +81,12 @@ def model_card(info: dict) -> str:
         "Made with DocTune on the user's own workstation: "
         + ("LoRA adapter training" if method == "lora" else "full fine-tuning")
         + f" of **{base}** on the documents listed below.",
+    ]
+    if after:
+        v = verdict(before, after, params)
+        lines += ["", f"**Verdict: {v.headline}**"]
+        lines += [f"- {a}" for a in v.advice]
+    lines += [
         "",
         "## Settings",
         "",
@@ -83,25 +109,48 @@ def model_card(info: dict) -> str:
             )
             + ".",
         ]
-    lines += ["", "## Source documents", "", "| document | sha256 |", "| --- | --- |"]
+    lines += [
+        "",
+        "## Source documents",
+        "",
+        "Each document's version is its content hash: the same file gives the same sha256.",
+        "",
+        "| document | sha256 |",
+        "| --- | --- |",
+    ]
     for doc in info.get("documents") or []:
-        lines.append(f"| {doc['name']} | `{doc['sha256']}` |")
+        lines.append(f"| {_cell(doc['name'])} | `{doc['sha256']}` |")
     lines += [
         "",
         "## Scores",
         "",
-        "Same probes and held-out text before and after training. Knowledge recall: share of",
-        "facts from the documents the model completes correctly (greedy decoding). Perplexity:",
-        "on document text kept out of training (lower is better).",
+        "Same probes and held-out text before and after training, greedy decoding. Knowledge",
+        "recall: facts from the documents asked as questions in the chat format, worded",
+        "differently from any training example (and, second, as sentence completions); a",
+        "probe counts when the answer contains the fact. Perplexity: on document text kept",
+        "out of training (lower is better). Forgetting check: perplexity on a general-English",
+        "sample shipped with DocTune.",
         "",
         "| score | before | after |",
         "| --- | --- | --- |",
-        f"| knowledge recall | {_recall(before)} | {_recall(after)} |",
+    ]
+    if (after.get("questions") or {}).get("n"):
+        lines.append(
+            f"| knowledge recall (questions) | {_questions(before)} | {_questions(after)} |"
+        )
+    lines += [
+        f"| knowledge recall (sentence completions) | {_recall(before)} | {_recall(after)} |",
         (
             f"| held-out perplexity | {_fmt(before.get('perplexity'))} "
             f"| {_fmt(after.get('perplexity'))} |"
         ),
     ]
+    gen_b, gen_a = before.get("general") or {}, after.get("general") or {}
+    if gen_a.get("perplexity") is not None:
+        lines.append(
+            f"| forgetting check: general-text perplexity | {_fmt(gen_b.get('perplexity'))} "
+            f"| {_fmt(gen_a.get('perplexity'))} |"
+        )
     qa_before, qa_after = before.get("qa") or {}, after.get("qa") or {}
     if qa_before.get("n") or qa_after.get("n"):
         n = qa_after.get("n") or qa_before.get("n")
@@ -115,13 +164,41 @@ def model_card(info: dict) -> str:
                 f"| {_pct(qa_before.get('f1'))} | {_pct(qa_after.get('f1'))} |"
             ),
         ]
+    items = (after.get("questions") or {}).get("items") or []
+    if items:
+        base_by = {
+            (i.get("question"), i.get("answer")): i
+            for i in (before.get("questions") or {}).get("items") or []
+        }
+        ordered = sorted(items, key=lambda i: (not i.get("hit"), i.get("question") or ""))
+        lines += [
+            "",
+            "Side by side (five of the questions):",
+            "",
+            "| question | expected | base model | tuned model | source sentence |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for item in ordered[:5]:
+            base_item = base_by.get((item.get("question"), item.get("answer")), {})
+            lines.append(
+                f"| {_cell(item.get('question'))} | {_cell(item.get('answer'), 60)} "
+                f"| {_cell(base_item.get('output'), 80)} | {_cell(item.get('output'), 80)} "
+                f"| {_cell(item.get('sentence'))} ({_cell(item.get('source'), 40)}) |"
+            )
     for note in info.get("notes") or []:
         lines += ["", note]
-    lines += [
+    lines += _usage(method, base_id)
+    return "\n".join(lines) + "\n"
+
+
+def _usage(method: str, base_id: str) -> list[str]:
+    lines = [
         "",
         "## Use it",
         "",
-        "Merged model (the merged-model download; needs `pip install transformers torch`):",
+        "### transformers (the merged-model download)",
+        "",
+        "Needs `pip install transformers torch`.",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
@@ -141,8 +218,9 @@ def model_card(info: dict) -> str:
     if method == "lora":
         lines += [
             "",
-            "LoRA adapter (the adapter download, a few MB; needs `pip install peft`",
-            "as well, and the base model):",
+            "### peft (the adapter download)",
+            "",
+            "A few MB; needs `pip install peft` as well, and the base model:",
             "",
             "```python",
             "from peft import PeftModel",
@@ -156,7 +234,31 @@ def model_card(info: dict) -> str:
             "model = model.merge_and_unload()",
             "```",
         ]
-    return "\n".join(lines) + "\n"
+    lines += [
+        "",
+        "### llama.cpp (the GGUF downloads)",
+        "",
+        "`-f16.gguf` is the model at 16-bit precision; `-q8_0.gguf` is about half the size",
+        "and scores almost the same. The chat template is inside the file:",
+        "",
+        "```sh",
+        "llama-cli -m model-q8_0.gguf -cnv --temp 0",
+        "llama-server -m model-q8_0.gguf   # an OpenAI-compatible server on port 8080",
+        "```",
+        "",
+        "### Ollama (the GGUF downloads)",
+        "",
+        "Unzip, then in that folder (the Modelfile sets the chat format and stop tokens):",
+        "",
+        "```sh",
+        "ollama create my-docs-model -f Modelfile",
+        "ollama run my-docs-model",
+        "```",
+        "",
+        "transformers can read the GGUF too:",
+        '`AutoModelForCausalLM.from_pretrained(folder, gguf_file="model-f16.gguf")`.',
+    ]
+    return lines
 
 
 def _write_zip(folder: Path, out_zip: Path) -> Path:
@@ -217,21 +319,28 @@ def export_adapter(
         return _write_zip(folder, out_zip)
 
 
-def export_merged(model, tokenizer, out_zip: Path, card: str) -> Path:
-    """The full model, adapter folded in, as a zip in Hugging Face layout (config.json,
-    model.safetensors, generation_config.json, tokenizer files, README.md).
+def merged_copy(model):
+    """The model with its LoRA adapter folded in, as a plain transformers model.
 
     A LoRA model is merged on a copy, so the model in memory keeps its adapter and its
     weights bit for bit (merging then unmerging in place would not: W + BA - BA != W in
-    floating point). The copy costs one more model's worth of RAM.
+    floating point). The copy costs one more model's worth of RAM. A fully fine-tuned model
+    is returned as it is.
     """
     from peft import PeftModel
 
+    if isinstance(model, PeftModel):
+        return copy.deepcopy(model).merge_and_unload()
+    return model
+
+
+def export_merged(model, tokenizer, out_zip: Path, card: str, merged=None) -> Path:
+    """The full model, adapter folded in, as a zip in Hugging Face layout (config.json,
+    model.safetensors, generation_config.json, tokenizer files, README.md). `merged`: the
+    result of merged_copy(model) when the caller already has it."""
     out_zip = Path(out_zip)
     out_zip.parent.mkdir(parents=True, exist_ok=True)
-    merged = model
-    if isinstance(model, PeftModel):
-        merged = copy.deepcopy(model).merge_and_unload()
+    merged = merged if merged is not None else merged_copy(model)
     with tempfile.TemporaryDirectory(prefix=".export-", dir=out_zip.parent) as tmp:
         folder = Path(tmp)
         with torch.no_grad():
@@ -239,3 +348,86 @@ def export_merged(model, tokenizer, out_zip: Path, card: str) -> Path:
         make_config_portable(folder)
         _save_tokenizer_and_card(tokenizer, folder, card)
         return _write_zip(folder, out_zip)
+
+
+def export_gguf(
+    model, tokenizer, out_zip: Path, card: str, ftype: str = "q8_0", name: str = "model",
+    merged=None,
+) -> Path:
+    """A GGUF file (`ftype`: "f16" or "q8_0") with an Ollama Modelfile and the model card, as
+    one zip: <name>-<ftype>.gguf, Modelfile, README.md. Raises ValueError for a model the GGUF
+    writer does not support (see worker.gguf_export)."""
+    from worker.gguf_export import modelfile, write_gguf
+
+    out_zip = Path(out_zip)
+    out_zip.parent.mkdir(parents=True, exist_ok=True)
+    merged = merged if merged is not None else merged_copy(model)
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+    gguf_name = f"{stem}-{ftype}.gguf"
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=out_zip.parent) as tmp:
+        folder = Path(tmp)
+        write_gguf(merged, tokenizer, folder / gguf_name, ftype=ftype, name=name)
+        (folder / "Modelfile").write_text(modelfile(gguf_name, tokenizer), encoding="utf-8")
+        (folder / "README.md").write_text(card, encoding="utf-8")
+        return _write_zip(folder, out_zip)
+
+
+# Every download a job can offer, in the order they are made.
+KINDS = ("adapter", "merged", "gguf-f16", "gguf-q8_0")
+
+
+def export_all(
+    model,
+    tokenizer,
+    folder: Path,
+    card: str,
+    *,
+    base_model_id: str | None = None,
+    name: str = "model",
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Write every download of a finished job into `folder`: (artifacts, errors).
+
+    artifacts: kind -> zip path. errors: kind -> why that download could not be made, in
+    words; one failing export (an unsupported architecture for GGUF, a full disk) does not
+    stop the others, and the job keeps its scores and the files that did work.
+    """
+    from peft import PeftModel
+
+    folder = Path(folder)
+    artifacts: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    merged = None
+    for kind in KINDS:
+        if kind == "adapter" and not isinstance(model, PeftModel):
+            continue  # a full fine-tune has no adapter: not an error
+        out = folder / f"{kind}.zip"
+        try:
+            if kind == "adapter":
+                path = export_adapter(model, tokenizer, out, card, base_model_id=base_model_id)
+            else:
+                if merged is None:
+                    merged = merged_copy(model)
+                if kind == "merged":
+                    path = export_merged(model, tokenizer, out, card, merged=merged)
+                else:
+                    ftype = kind.removeprefix("gguf-")
+                    path = export_gguf(
+                        model, tokenizer, out, card, ftype=ftype, name=name, merged=merged
+                    )
+            artifacts[kind] = str(path)
+        except (ValueError, OSError, RuntimeError, MemoryError) as exc:
+            logging.getLogger(__name__).exception("export %s failed", kind)
+            errors[kind] = _export_error(kind, exc)
+    return artifacts, errors
+
+
+def _export_error(kind: str, exc: Exception) -> str:
+    label = {"adapter": "The LoRA adapter", "merged": "The merged model"}.get(
+        kind, f"The GGUF file ({kind.removeprefix('gguf-')})"
+    )
+    if isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
+        return f"{label} could not be saved: the disk is full."
+    if isinstance(exc, MemoryError):
+        return f"{label} could not be made: the computer ran out of memory."
+    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    return f"{label} could not be made: {detail}"

@@ -3,7 +3,8 @@
 The front door of document extraction: `extract(path, kind)` reads one file with a
 well-kept library per format and returns an `Extracted`; every problem with the file comes
 out as an `ExtractionError` whose message an office worker can act on. The readers live in
-`extract_pdf`, `extract_office`, `extract_text` and `extract_qa`, and import their parsing
+`extract_pdf`, `extract_office`, `extract_open` (EPUB, ODT), `extract_mail` (EML, MBOX),
+`extract_text` and `extract_qa`, and import their parsing
 libraries only when called, so importing this module stays cheap. The file-name rules
 (`SUPPORTED_KINDS`, `kind_for_filename`) belong to `app.filetypes`, shared with the web app.
 """
@@ -28,7 +29,9 @@ from worker.extract_common import (
     damaged,
     normalize_text,
 )
+from worker.extract_mail import extract_eml, extract_mbox
 from worker.extract_office import extract_docx, extract_pptx, extract_xlsx
+from worker.extract_open import extract_epub, extract_odt
 from worker.extract_pdf import extract_pdf
 from worker.extract_qa import extract_csv, extract_jsonl
 from worker.extract_text import extract_html, extract_md, extract_txt
@@ -54,6 +57,10 @@ _READERS: dict[str, Callable[[Path, TextBudget], Extracted]] = {
     "txt": extract_txt,
     "csv": extract_csv,
     "jsonl": extract_jsonl,
+    "eml": extract_eml,
+    "mbox": extract_mbox,
+    "epub": extract_epub,
+    "odt": extract_odt,
 }
 
 

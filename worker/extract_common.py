@@ -38,6 +38,10 @@ KIND_LABELS: dict[str, str] = {
     "txt": "a text file",
     "csv": "a CSV file",
     "jsonl": "a JSONL file",
+    "eml": "an e-mail (.eml)",
+    "mbox": "a mailbox (.mbox)",
+    "epub": "an e-book (EPUB)",
+    "odt": "an OpenDocument text (.odt)",
 }
 
 

@@ -19,6 +19,8 @@ from sqlalchemy import update
 from app.db import session_scope, utcnow
 from app.models import Job, JobState
 from app.settings import settings
+from offload import OffloadBudgetError, OffloadDiskFullError
+from worker.incremental import plan_inputs
 from worker.ingest import load_source_docs
 from worker.pipeline import Cancelled, Hooks, run_pipeline
 
@@ -35,6 +37,11 @@ class UserFacingError(Exception):
 
 def job_workdir(job_id: int) -> Path:
     return settings.jobs_dir / str(job_id)
+
+
+def job_swap_dir(job_id: int) -> Path:
+    """Where the offload engine pages while the job trains (removed when it ends)."""
+    return settings.swap_dir / str(job_id)
 
 
 def claim(job_id: int, node: str) -> bool:
@@ -87,6 +94,8 @@ class _RowHooks:
             self._losses.append([int(p["step"]), round(float(p["loss"]), 5)])
         self._pending.update(step=int(p["step"]), total_steps=int(p["total_steps"]),
                              tokens_per_s=p.get("tokens_per_s"), eta_s=p.get("eta_s"))
+        if p.get("telemetry") is not None:  # the offload engine's memory and disk figures
+            self._pending["telemetry"] = p["telemetry"]
         if time.monotonic() - self._last_write >= HEARTBEAT_EVERY_S or p["step"] == p["total_steps"]:
             self.flush()
 
@@ -122,7 +131,10 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
     with session_scope() as session:
         job = session.get(Job, job_id)
         params = dict(job.params)
-        docs = load_source_docs(session, [s["id"] for s in job.sources])
+        # Incremental: new documents + a replay sample, from the previous version's adapter.
+        plan = plan_inputs(session, job, job_workdir(job_id))
+        params.update(plan.params)
+        docs = load_source_docs(session, plan.doc_ids)
 
     row = _RowHooks(job_id)
     workdir = job_workdir(job_id)
@@ -133,8 +145,10 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                 "None of this job's documents has usable text any more. "
                 "Upload documents, wait until they show as extracted, then train again."
             )
+        budget = settings.offload_budget_mb * 2**20 if settings.offload_budget_mb else None
         result = run_pipeline(docs, params, settings.base_model, settings.models_dir, workdir,
-                              row.hooks())
+                              row.hooks(), swap_dir=job_swap_dir(job_id), budget_bytes=budget,
+                              start_adapter=plan.start_adapter)
     except Cancelled:
         outcome = (JobState.cancelled, "Cancelled", None)
     except (UserFacingError, ValueError) as exc:
@@ -147,6 +161,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
         outcome = (JobState.done, "Done", None)
 
     row.flush()
+    # The swap is scratch: a resumed job rebuilds it from its checkpoint.
+    shutil.rmtree(job_swap_dir(job_id), ignore_errors=True)
     with session_scope() as session:
         job = session.get(Job, job_id)
         if job is None:
@@ -154,9 +170,11 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
         if outcome[0] == JobState.done:
             job.params = result["params"]
             job.scores = result["scores"] | {"dataset": result.get("dataset", {}),
-                                             "metrics": result.get("metrics", {})}
+                                             "metrics": result.get("metrics", {}),
+                                             "export_errors": result.get("export_errors", {})}
             job.artifacts = result["artifacts"]
             job.step = job.total_steps
+            job.project.current_job_id = job.id  # a new version is the one in use
         _finish(session, job, *outcome)
     if outcome[0] == JobState.done:
         shutil.rmtree(workdir / "checkpoint", ignore_errors=True)  # the exports are what's kept
@@ -164,6 +182,13 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
 
 
 def _plain_error(exc: Exception) -> str:
+    if isinstance(exc, OffloadDiskFullError):
+        return ("The disk is full: training pages part of the model to the DocTune data "
+                "folder. Free some space there and train again.")
+    if isinstance(exc, OffloadBudgetError):
+        return ("Training needs more memory than DocTune may use on this machine "
+                f"({str(exc).splitlines()[0][:200]}). Try a shorter maximum sequence length, "
+                "LoRA instead of full fine-tuning, or a larger DOCTUNE_OFFLOAD_BUDGET_MB.")
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
         return ("Training ran out of memory. Try a shorter maximum sequence length or LoRA "
                 "instead of full fine-tuning.")

@@ -25,15 +25,15 @@ from worker.corpus import SourceDoc
 from worker.dataset import build_dataset
 from worker.engine import configure_threads
 from worker.evaluate import evaluate
-from worker.export import export_adapter, export_merged, model_card
-from worker.recipe import Cancelled, FineTuneRecipe, Hooks, TrainConfig
+from worker.export import export_all, model_card
+from worker.recipe import Cancelled, EngineOptions, FineTuneRecipe, Hooks, TrainConfig
 
 __all__ = ["Cancelled", "Hooks", "run_pipeline"]
 
 log = logging.getLogger(__name__)
 
 # Settings build_dataset takes from params when given (else its own defaults).
-DATASET_KEYS = ("holdout_frac", "max_probes")
+DATASET_KEYS = ("holdout_frac", "max_probes", "generated_qa")
 _TRAIN_KEYS = {f.name for f in fields(TrainConfig)}
 
 
@@ -87,9 +87,17 @@ def run_pipeline(
     models_dir: Path,
     workdir: Path,
     hooks: Hooks | None = None,
+    *,
+    swap_dir: Path | None = None,
+    budget_bytes: int | None = None,
+    start_adapter: Path | None = None,
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
+
+    Training runs through the SSD offload engine: `swap_dir` is where it pages (default
+    workdir/swap; one job at a time per folder), `budget_bytes` the memory it may use
+    (default: half of what is free).
 
     `params`: app.training_defaults.default_params merged with the user's choices (method,
     epochs, learning_rate, lora_rank, max_seq_len) plus optional TrainConfig fields (seed,
@@ -113,7 +121,9 @@ def run_pipeline(
     dataset_args = {k: params[k] for k in DATASET_KEYS if k in params}
     doc_ids = sorted([d.name, d.sha256, bool(d.qa_pairs)] for d in docs)
     data_key = _fingerprint(base_model, doc_ids, config.max_seq_len, config.seed, dataset_args)
-    job_key = _fingerprint(data_key, config.to_dict())
+    # start_adapter: a LoRA adapter folder (a previous version, worker/incremental.py) whose
+    # weights the training starts from instead of a fresh adapter.
+    job_key = _fingerprint(data_key, config.to_dict(), str(start_adapter or ""))
 
     result_path = workdir / "result.json"
     done = _read_json(result_path)
@@ -152,14 +162,38 @@ def run_pipeline(
         _write_json(workdir / "before.json", {"key": data_key, "scores": before})
     _check_cancel(hooks)
 
-    recipe = FineTuneRecipe(model, split.train_examples, config, workdir, hooks, pad_id)
+    engine = EngineOptions(
+        budget_bytes=budget_bytes,
+        swap_dir=swap_dir,
+        # LoRA reads the frozen base weights straight from the model's files (read-only).
+        weights_files=sorted(Path(model_dir).glob("*.safetensors"))
+        if Path(model_dir).is_dir()
+        else [],
+    )
+    previous = None
+    if start_adapter is not None:
+        from worker.incremental import ContinuedRecipe, score_previous
+
+        cached = _read_json(workdir / "previous.json")
+        if cached and cached.get("key") == job_key:
+            previous = cached["scores"]
+        else:
+            hooks.on_phase("evaluating", "Scoring the previous version")
+            previous = score_previous(model, tokenizer, split, Path(start_adapter), evaluate)
+            _write_json(workdir / "previous.json", {"key": job_key, "scores": previous})
+        _check_cancel(hooks)
+        recipe = ContinuedRecipe(Path(start_adapter), model, split.train_examples, config,
+                                 workdir, hooks, pad_id, engine)
+    else:
+        recipe = FineTuneRecipe(model, split.train_examples, config, workdir, hooks, pad_id,
+                                engine)
     recipe.setup()
     hooks.on_phase("running", "Training")
     started = time.perf_counter()
     train_metrics = recipe.train()
     log.info("Training took %.1f s in this run.", time.perf_counter() - started)
-    model = recipe.model
-    recipe.cleanup()  # frees the optimizer state before scoring and exporting
+    model = recipe.model  # train() closed the engine: the trained weights are back in memory
+    recipe.cleanup()
 
     _check_cancel(hooks)
     hooks.on_phase("evaluating", "Scoring after training")
@@ -189,19 +223,18 @@ def run_pipeline(
             "notes": notes,
         }
     )
-    exports = workdir / "exports"
-    artifacts: dict[str, str] = {}
-    if config.method == "lora":
-        artifacts["adapter"] = str(
-            export_adapter(model, tokenizer, exports / "adapter.zip", card, base_model_id=base_id)
-        )
-    artifacts["merged"] = str(export_merged(model, tokenizer, exports / "merged.zip", card))
+    artifacts, export_errors = export_all(
+        model, tokenizer, workdir / "exports", card, base_model_id=base_id
+    )
 
     result = {
         "params": resolved,
         "dataset": split.stats,
-        "scores": {"before": before, "after": after},
+        # "previous": the version this job started from, on the same probes (incremental).
+        "scores": {"before": before, "after": after}
+        | ({"previous": previous} if previous is not None else {}),
         "artifacts": artifacts,
+        "export_errors": export_errors,
         "metrics": {
             "train_seconds": train_metrics["train_seconds"],
             "tokens_per_s": train_metrics["tokens_per_s"],

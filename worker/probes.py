@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from worker.corpus import Probe
+from worker.questions import Fact, probe_question
 
 
 def _words(text: str) -> frozenset[str]:
@@ -156,6 +157,7 @@ class _Candidate:
     prompt: str
     answer: str
     sentence: str
+    fact: Fact  # the same span, for asking it as a question
 
 
 def split_sentences(text: str) -> list[str]:
@@ -303,13 +305,15 @@ def _candidates_for_doc(doc: int, text: str) -> list[list[_Candidate]]:
     lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))  # words the document writes in lower case
     out: list[list[_Candidate]] = []
     for i, sentence in enumerate(sentences):
-        if len(sentence) > 600 or _letters_ratio(sentence) < 0.5:
+        if len(sentence) > 600 or _letters_ratio(sentence) < 0.5 or sentence.count("|") >= 2:
             continue  # tables, lists of figures, run-on extraction junk
+        if len(sentence.split()) < 6 and not sentence.rstrip("\"')”’").endswith((".", "!", "?")):
+            continue  # a heading ("Careers at Northwind Widgets"): no fact to ask about
         ranked: list[tuple[tuple[int, int, int], _Candidate]] = []
         for s, e, kind in _find_spans(sentence):
             if kind == "name" and " " not in sentence[s:e] and sentence[s:e].lower() in lowered:
                 continue  # "Handbook" here, "handbook" elsewhere: a common noun, not a name
-            cand = _make_candidate(doc, i, sentences, s, e)
+            cand = _make_candidate(doc, i, sentences, s, e, kind, lowered)
             if cand is not None:
                 prefix_words = len(sentence[:s].split())
                 ranked.append(((min(prefix_words, _MIN_PREFIX_WORDS), -_KIND_RANK[kind], s), cand))
@@ -319,7 +323,9 @@ def _candidates_for_doc(doc: int, text: str) -> list[list[_Candidate]]:
     return out
 
 
-def _make_candidate(doc: int, i: int, sentences: list[str], s: int, e: int) -> _Candidate | None:
+def _make_candidate(
+    doc: int, i: int, sentences: list[str], s: int, e: int, kind: str, lowered: set[str]
+) -> _Candidate | None:
     sentence = sentences[i]
     answer = sentence[s:e].strip()
     prefix = sentence[:s].rstrip()
@@ -339,7 +345,35 @@ def _make_candidate(doc: int, i: int, sentences: list[str], s: int, e: int) -> _
     words = prompt.split()
     if len(words) > _MAX_PROMPT_WORDS:
         prompt = " ".join(words[-_MAX_PROMPT_WORDS:])
-    return _Candidate(doc=doc, position=i, prompt=prompt, answer=answer, sentence=sentence)
+    context = _context_for(sentences, i, answer)
+    first = sentence.split()[0] if sentence.split() else ""
+    fact = Fact(
+        sentence=sentence,
+        start=s,
+        end=s + len(answer),
+        kind=kind,
+        context=context,
+        lower_first=first.lower() in lowered,
+    )
+    return _Candidate(
+        doc=doc, position=i, prompt=prompt, answer=answer, sentence=sentence, fact=fact
+    )
+
+
+_PRONOUN_STARTS = ("it ", "its ", "they ", "their ", "this ", "these ", "he ", "she ", "then ")
+
+
+def _context_for(sentences: list[str], i: int, answer: str) -> str:
+    """The nearest earlier sentence (up to 3 back) that does not itself start with a
+    pronoun: what "It costs $129.50" is about. "" when there is none or it gives the
+    answer away."""
+    for j in range(i - 1, max(-1, i - 4), -1):
+        s = sentences[j]
+        if not s.lower().startswith(_PRONOUN_STARTS):
+            if len(s) <= 400 and not contains_answer(s, answer):
+                return s
+            return ""
+    return ""
 
 
 def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0) -> list[Probe]:
@@ -389,7 +423,30 @@ def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0
                 chosen.append(c)
                 break
     chosen.sort(key=lambda c: (c.doc, c.position))
-    return [
-        Probe(prompt=c.prompt, answer=c.answer, source=docs[c.doc][0], sentence=c.sentence)
-        for c in chosen
-    ]
+    probes = []
+    for c in chosen:
+        fact = replace(c.fact, source=docs[c.doc][0])
+        template, question = probe_question(fact)
+        probes.append(
+            Probe(
+                prompt=c.prompt,
+                answer=c.answer,
+                source=fact.source,
+                sentence=c.sentence,
+                question=question,
+                template=template,
+            )
+        )
+    return probes
+
+
+def fact_spans(docs: list[tuple[str, str]]) -> list[Fact]:
+    """Every askable fact of (name, text) documents: each distinctive span of each usable
+    sentence that passes the probes' checks (not the first word, not given away by the
+    text before it, not an ambiguous prompt). Training questions are made from these."""
+    facts: list[Fact] = []
+    for d, (name, text) in enumerate(docs):
+        for cands in _candidates_for_doc(d, text):
+            for c in cands:
+                facts.append(replace(c.fact, source=name))
+    return facts

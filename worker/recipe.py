@@ -1,8 +1,12 @@
 """The fine-tuning recipe: LoRA or full fine-tuning of a causal LM on prepared examples.
 
 One readable run, torchtune style: `setup()` wraps the model and builds the engine (resuming
-from `workdir/checkpoint/` when one is there), `train()` loops over deterministic batches,
-`save_checkpoint()` writes the run's state atomically, `cleanup()` frees it.
+from `workdir/checkpoint/` when one is there), `train()` loops over deterministic batches and
+hands the trained model back in memory, `save_checkpoint()` writes the run's state atomically,
+`cleanup()` frees it.
+
+The engine is the SSD offload engine (worker.engine.OffloadTrainEngine) unless
+`EngineOptions(kind="memory")` asks for the plain in-memory reference; both give the same bits.
 
 Determinism: batches are a permutation seeded by seed + epoch, the LoRA init by seed, and a
 checkpoint holds weights, optimizer, scheduler and RNG states, so a run killed after a
@@ -24,15 +28,21 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from app.training_defaults import LIMITS, METHODS
-from worker.engine import IGNORE_INDEX, InMemoryEngine, configure_threads
+from worker.engine import (
+    IGNORE_INDEX,
+    InMemoryEngine,
+    OffloadTrainEngine,
+    auto_budget_bytes,
+    configure_threads,
+)
 
 log = logging.getLogger(__name__)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: the engine writes its own files; meta.json names the engine
+ENGINES = ("offload", "memory")
 
 
 class Cancelled(Exception):
@@ -49,9 +59,28 @@ class Hooks:
 
     # (state, text): state in {"running", "evaluating"}; text says what is happening.
     on_phase: Callable[[str, str], None] = _noop
-    # {"step", "total_steps", "loss", "tokens_per_s", "eta_s", "epoch", "epochs", "lr"}
+    # {"step", "total_steps", "loss", "tokens_per_s", "eta_s", "epoch", "epochs", "lr",
+    #  "telemetry"}: telemetry is the offload engine's figures (None in memory).
     on_progress: Callable[[dict], None] = _noop
     should_cancel: Callable[[], bool] = lambda: False
+
+
+@dataclass
+class EngineOptions:
+    """Where the training state lives. Not part of TrainConfig: it changes the speed and the
+    memory used, never the result."""
+
+    kind: str = "offload"  # "offload" (SSD offload engine) | "memory" (the reference)
+    budget_bytes: int | None = None  # None: a share of the free memory (auto_budget_bytes)
+    swap_dir: Path | None = None  # None: workdir / "swap"
+    # The base model's *.safetensors: LoRA streams its frozen weights from them, read-only.
+    weights_files: list[Path] = field(default_factory=list)
+    prefetch: int = 2
+    activation_bytes: int | None = None  # None: the engine keeps a quarter of the budget
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINES:
+            raise ValueError(f"Unknown engine {self.kind!r}; use one of {ENGINES}.")
 
 
 @dataclass
@@ -174,6 +203,7 @@ class FineTuneRecipe:
         workdir: Path,
         hooks: Hooks | None = None,
         pad_token_id: int = 0,
+        engine: EngineOptions | None = None,
     ) -> None:
         if not train_examples:
             raise ValueError("No training examples.")
@@ -183,7 +213,8 @@ class FineTuneRecipe:
         self.workdir = Path(workdir)
         self.hooks = hooks or Hooks()
         self.pad_token_id = pad_token_id
-        self.engine: InMemoryEngine | None = None
+        self.engine_options = engine or EngineOptions()
+        self.engine: InMemoryEngine | OffloadTrainEngine | None = None
         self.progress = _Progress()
         self.steps_per_epoch = config.steps_per_epoch(len(train_examples))
         self.total_steps = config.total_steps(len(train_examples))
@@ -203,6 +234,10 @@ class FineTuneRecipe:
     @property
     def _old_dir(self) -> Path:
         return self.workdir / "checkpoint.old"
+
+    @property
+    def swap_dir(self) -> Path:
+        return Path(self.engine_options.swap_dir or self.workdir / "swap")
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -226,20 +261,62 @@ class FineTuneRecipe:
             for p in self.model.parameters():
                 p.requires_grad_(True)
         self.model.train()
-        self.engine = InMemoryEngine(
+        self.engine = self._build_engine()
+        try:
+            self._resume()
+        except BaseException:
+            self._release_engine(restore=False)
+            raise
+
+    def _build_engine(self) -> InMemoryEngine | OffloadTrainEngine:
+        cfg = self.config
+        common = {
+            "learning_rate": cfg.learning_rate,
+            "total_steps": self.total_steps,
+            "warmup_steps": round(cfg.warmup_ratio * self.total_steps),
+            "weight_decay": cfg.weight_decay,
+            "grad_clip": cfg.grad_clip,
+            "grad_accum": cfg.grad_accum,
+        }
+        opts = self.engine_options
+        if opts.kind == "memory":
+            return InMemoryEngine(self.model, **common)
+        budget = opts.budget_bytes or auto_budget_bytes(self.model)
+        engine = OffloadTrainEngine(
             self.model,
-            learning_rate=cfg.learning_rate,
-            total_steps=self.total_steps,
-            warmup_steps=round(cfg.warmup_ratio * self.total_steps),
-            weight_decay=cfg.weight_decay,
-            grad_clip=cfg.grad_clip,
-            grad_accum=cfg.grad_accum,
+            budget_bytes=budget,
+            swap_dir=self.swap_dir,
+            weights_files=list(opts.weights_files),
+            prefetch=opts.prefetch,
+            activation_bytes=opts.activation_bytes,
+            **common,
         )
-        self._resume()
+        t = engine.telemetry()
+        log.info(
+            "Offload engine: budget %.0f MiB, %s, %d blocks.",
+            budget / 2**20,
+            "streaming from the SSD" if t["streaming"] else "everything fits in memory",
+            t["blocks"],
+        )
+        return engine
+
+    def _release_engine(self, restore: bool) -> None:
+        """Close the engine (its swap files go); with `restore` the model gets its trained
+        weights back in memory. The swap directory goes too once empty."""
+        if self.engine is None:
+            return
+        engine, self.engine = self.engine, None
+        engine.close(restore_weights=restore)
+        if isinstance(engine, OffloadTrainEngine):
+            try:
+                self.swap_dir.rmdir()
+            except OSError:  # not empty (someone else's files) or already gone
+                pass
 
     def _meta(self) -> dict:
         return {
             "format": CHECKPOINT_FORMAT,
+            "engine": self.engine_options.kind,
             "config": self._config_key(),
             "n_examples": len(self.examples),
             "examples_sha256": self._digest,
@@ -266,17 +343,17 @@ class FineTuneRecipe:
         meta = json.loads(meta_path.read_text())
         same = (
             meta.get("format") == CHECKPOINT_FORMAT
+            and meta.get("engine") == self.engine_options.kind
             and meta.get("config") == self._config_key()
             and meta.get("examples_sha256") == self._digest
         )
         if not same:
             log.warning("Ignoring %s: made with other settings or data.", self.checkpoint_dir)
             return
-        state = torch.load(self.checkpoint_dir / "state.pt", weights_only=True)
-        state["weights"] = load_file(self.checkpoint_dir / "weights.safetensors")
-        self.engine.load_state_dict(state)
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(_tuplify(state["rng"]["python"]))
+        self.engine.load_checkpoint(self.checkpoint_dir)
+        rng = torch.load(self.checkpoint_dir / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(_tuplify(rng["python"]))
         self.progress = _Progress(
             step=int(meta["step"]),
             train_seconds=float(meta["train_seconds"]),
@@ -306,9 +383,25 @@ class FineTuneRecipe:
     # -- train -------------------------------------------------------------------------------
     def train(self) -> dict:
         """Run the remaining optimizer steps; returns metrics. Raises Cancelled (after saving a
-        checkpoint) when `hooks.should_cancel()` turns true."""
+        checkpoint) when `hooks.should_cancel()` turns true.
+
+        Either way the engine is closed on the way out and the model holds its trained
+        weights in memory again (scoring and export use it as an ordinary model); after an
+        error the model's state is only good in the last checkpoint."""
         if self.engine is None:
             raise RuntimeError("call setup() first")
+        try:
+            self._train_steps()
+        except Cancelled:
+            self._release_engine(restore=True)
+            raise
+        except BaseException:
+            self._release_engine(restore=False)
+            raise
+        self._release_engine(restore=True)
+        return self.metrics()
+
+    def _train_steps(self) -> None:
         self.model.train()
         recent: list[tuple[float, int]] = []  # (seconds, tokens) of the last steps, for ETA
         while self.progress.step < self.total_steps:
@@ -337,6 +430,7 @@ class FineTuneRecipe:
                     "epoch": (p.step - 1) // self.steps_per_epoch + 1,
                     "epochs": math.ceil(self.total_steps / self.steps_per_epoch),
                     "lr": self.engine.learning_rate,
+                    "telemetry": self.engine.telemetry(),
                 }
             )
             if (
@@ -345,7 +439,6 @@ class FineTuneRecipe:
                 or p.step == self.total_steps
             ):
                 self.save_checkpoint()
-        return self.metrics()
 
     def metrics(self) -> dict:
         p = self.progress
@@ -361,27 +454,25 @@ class FineTuneRecipe:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Write weights, optimizer/scheduler/RNG states and counters to `workdir/checkpoint`.
+        """Write the engine's state (weights, optimizer, step), the RNG states and the
+        counters to `workdir/checkpoint`.
 
         Built in checkpoint.tmp/, fsynced, then swapped in by rename; the previous checkpoint
         is kept (as checkpoint.old) until the new one is in place.
         """
+        if self._last_saved_step == self.progress.step and self.checkpoint_dir.exists():
+            return self.checkpoint_dir  # up to date (train() always ends with a checkpoint)
         if self.engine is None:
             raise RuntimeError("call setup() first")
-        if self._last_saved_step == self.progress.step and self.checkpoint_dir.exists():
-            return self.checkpoint_dir
         self.workdir.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_dir
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        state = self.engine.state_dict()
-        weights = {n: t.contiguous() for n, t in state.pop("weights").items()}
-        save_file(weights, tmp / "weights.safetensors")
-        state["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        torch.save(state, tmp / "state.pt")
+        self.engine.save_checkpoint(tmp)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         (tmp / "meta.json").write_text(json.dumps(self._meta()) + "\n")
-        for name in ("weights.safetensors", "state.pt", "meta.json"):
-            _fsync_file(tmp / name)
+        for path in tmp.iterdir():
+            _fsync_file(path)
         _fsync_dir(tmp)
         if self.checkpoint_dir.exists():
             shutil.rmtree(self._old_dir, ignore_errors=True)
@@ -393,11 +484,9 @@ class FineTuneRecipe:
         return self.checkpoint_dir
 
     def cleanup(self, remove_checkpoint: bool = False) -> None:
-        """Free the optimizer state; with `remove_checkpoint`, delete the run's checkpoints
-        (once the job's results are safely stored)."""
-        if self.engine is not None:
-            self.engine.optimizer.zero_grad(set_to_none=True)
-            self.engine = None
+        """Close the engine (the model keeps its weights); with `remove_checkpoint`, delete
+        the run's checkpoints (once the job's results are safely stored)."""
+        self._release_engine(restore=True)
         if remove_checkpoint:
             for path in (self.checkpoint_dir, self._tmp_dir, self._old_dir):
                 shutil.rmtree(path, ignore_errors=True)

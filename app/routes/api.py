@@ -51,6 +51,7 @@ def _job_json(job: Job) -> dict[str, Any]:
         "loss_history": job.loss_history,
         "tokens_per_s": job.tokens_per_s,
         "eta_s": job.eta_s,
+        "telemetry": job.telemetry,  # the offload engine's memory and disk figures, or null
         "scores": job.scores,
         "artifacts": sorted(k for k, v in (job.artifacts or {}).items() if v),
         "error": job.error,
@@ -82,6 +83,10 @@ def api_project(project_id: int, session: SessionDep) -> dict[str, Any]:
             "qa_count": row.qa_count,
             "error": row.error,
             "duplicate_of": row.duplicate_of,
+            "source_path": row.source_path,  # in the watched folder (None: uploaded)
+            "version": row.version,
+            "last_seen_at": _iso(row.last_seen),
+            "trained_in": row.trained_in,  # model versions, e.g. ["v1", "v2"]
         }
         for row in documents_service.document_rows(project)
     ]

@@ -8,14 +8,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Form, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, Response
+from sqlalchemy.orm import object_session
 from starlette.requests import ClientDisconnect
 
 from app.db import SessionDep
 from app.filetypes import ACCEPT_ATTRIBUTE, SUPPORTED_LABEL
 from app.models import Job, JobState, Project
+from app.services import compare as compare_service
 from app.services import documents as documents_service
+from app.services import inbox as inbox_service
 from app.services import jobs as jobs_service
+from app.services import planner
 from app.services import projects as projects_service
+from app.services import telemetry as telemetry_service
 from app.services.errors import InvalidInput
 from app.services.uploads import UploadRejected, check_content_length, receive_files
 from app.settings import settings
@@ -66,7 +71,9 @@ _FIELD_TEXT = {
 
 
 def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
+    session = object_session(project)
     corpus = projects_service.corpus_of(project)
+    rows = documents_service.document_rows(project, include_retired=True)
     defaults = jobs_service.defaults_for(corpus, "lora")
     fields = {}
     fmt = jobs_service.format_number
@@ -78,13 +85,21 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
             "placeholder": f"{jobs_service.format_number(defaults[name])} (default)",
         }
     jobs = jobs_service.job_rows(project)
+    profile = planner.load_profile()  # None until the training worker has measured the machine
     context: dict[str, Any] = {
         "project": project,
         "corpus": corpus,
-        "docs": documents_service.document_rows(project),
+        "docs": [row for row in rows if row.retired_at is None],
+        "removed_docs": [row for row in rows if row.retired_at is not None],
+        "inbox": inbox_service.inbox_view(session, project, settings.inbox_dir),
+        "inbox_errors": {},
+        "inbox_values": {},
+        "docs_stamp": documents_service.docs_stamp(session, project.id),
         "reason": jobs_service.readiness(corpus),
         "defaults": defaults,
         "defaults_full": jobs_service.defaults_for(corpus, "full"),
+        "plan": planner.estimates_for(corpus, profile, load=False),
+        "plan_pending": profile is None,
         "fields": fields,
         "train_errors": {},
         "train_values": {},
@@ -106,16 +121,24 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
 @router.get("/projects/{project_id}", name="project")
 def project_page(request: Request, project_id: int, session: SessionDep) -> Response:
     project = projects_service.get_project(session, project_id)
-    context = _project_context(project)
     target = hx_target(request)
+    since = request.query_params.get("since")
+    # The list's own poll (files come and go in the watched folder): nothing new, no body.
+    if target == "documents" and since == documents_service.docs_stamp(session, project.id):
+        return Response(status_code=204)
+    context = _project_context(project)
     blocks = None
-    if target == "documents":
+    if target == "inbox-status":
+        blocks = ["inbox_status"]
+    elif target == "documents":
         blocks = ["documents"]
         if not context["corpus"].n_pending:  # the last poll: the Train button may now be usable
             blocks.append("train")
             context["oob_train"] = True
     elif target == "jobs":
         blocks = ["jobs"]
+    elif target == "train-plan":  # polled until the machine's speed is measured
+        blocks = ["plan"]
     return render(request, "project.html", context, blocks=blocks)
 
 
@@ -159,6 +182,34 @@ async def upload(request: Request, project_id: int, session: SessionDep) -> Resp
     return render(request, "project.html", context, blocks=["upload_results", "documents", "train"])
 
 
+@router.post("/projects/{project_id}/inbox", name="inbox_settings")
+def inbox_settings(
+    request: Request,
+    project_id: int,
+    session: SessionDep,
+    inbox_path: Annotated[str, Form()] = "",
+    auto_train: Annotated[str, Form()] = "off",
+    auto_quiet_min: Annotated[str, Form()] = "10",
+    auto_nightly_at: Annotated[str, Form()] = "02:00",
+    start_from: Annotated[str, Form()] = "latest",
+) -> Response:
+    """The watched folder's settings: which folder, auto-train, where new jobs start."""
+    project = projects_service.get_project(session, project_id)
+    values = {
+        "inbox_path": inbox_path,
+        "auto_train": auto_train,
+        "auto_quiet_min": auto_quiet_min,
+        "auto_nightly_at": auto_nightly_at,
+        "start_from": start_from,
+    }
+    try:
+        inbox_service.update_inbox_settings(session, project, values)
+    except InvalidInput as exc:
+        context = _project_context(project, inbox_errors=exc.errors, inbox_values=values)
+        return render(request, "project.html", context, status_code=422)
+    return RedirectResponse(f"/projects/{project.id}#inbox", status_code=303)
+
+
 @router.post("/projects/{project_id}/jobs", name="start_training")
 def start_training(
     request: Request,
@@ -186,6 +237,16 @@ def start_training(
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
 
 
+@router.get("/projects/{project_id}/compare", name="compare")
+def compare_versions(
+    request: Request, project_id: int, session: SessionDep, a: str = "", b: str = ""
+) -> Response:
+    """Two finished versions of the project's model, side by side on the same probes."""
+    project = projects_service.get_project(session, project_id)
+    comparison = compare_service.compare_in_project(session, project, a, b)
+    return render(request, "compare.html", {"project": project, "cmp": comparison})
+
+
 # Jobs
 
 
@@ -201,12 +262,19 @@ def _job_context(job: Job) -> dict[str, Any]:
         "finished": finished,
         "percent": percent,
         "chart": jobs_service.loss_chart(job.loss_history, job.total_steps),
-        "card": jobs_service.score_card(job.scores) if job.state == JobState.done else None,
+        "disk": telemetry_service.describe(job.telemetry),
+        "card": (
+            jobs_service.score_card(job.scores, params=job.params)
+            if job.state == JobState.done
+            else None
+        ),
         "downloads": [
             (kind, label)
             for kind, label in jobs_service.ARTIFACT_LABELS.items()
             if artifacts.get(kind)
         ],
+        "download_hints": jobs_service.ARTIFACT_HINTS,
+        "export_errors": sorted(((job.scores or {}).get("export_errors") or {}).items()),
         "sources": [
             documents_service.display_name(str(s.get("name", ""))) for s in job.sources or []
         ],
@@ -227,6 +295,14 @@ def cancel_job(request: Request, job_id: int, session: SessionDep) -> Response:
     if is_htmx(request):
         return render(request, "job.html", _job_context(job), blocks=["live"])
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
+
+
+@router.post("/jobs/{job_id}/current", name="make_current")
+def make_current(job_id: int, session: SessionDep) -> Response:
+    """Use this tuned version: the next training (manual or automatic) continues from it."""
+    job = jobs_service.get_job(session, job_id)
+    jobs_service.set_current_version(session, job)
+    return RedirectResponse(f"/projects/{job.project_id}#jobs", status_code=303)
 
 
 @router.get("/jobs/{job_id}/download/{kind}", name="download")

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from sqlalchemy import event
+from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, SessionTransaction
 
-from app.models import DocStatus, Document, Project
+from app.db import utcnow
+from app.models import DocStatus, Document, JobState, Project
 from app.queue import INGEST_TASK, enqueue_after_commit
 from app.services.uploads import ReceivedFile, display_name, human_size
 
@@ -45,6 +47,7 @@ def register_uploads(
         if item.path is not None:
             _track_new_file(session, item.path)
     outcomes: list[UploadOutcome] = []
+    rows: list[tuple[UploadOutcome, Document]] = []
     for item in received:
         if item.refused or item.path is None or item.kind is None:
             outcomes.append(UploadOutcome(item.name, "refused", item.refused or "Not received."))
@@ -62,34 +65,37 @@ def register_uploads(
         if earlier is not None:
             item.path.unlink(missing_ok=True)  # the earlier copy is the one we keep
             doc.status = DocStatus.duplicate
-            session.add(doc)
-            session.flush()
-            outcomes.append(
-                UploadOutcome(
-                    item.name,
-                    "duplicate",
-                    f"Already uploaded as “{display_name(earlier.original_name)}”; "
-                    "not added again.",
-                    doc.id,
-                )
+            outcome = UploadOutcome(
+                item.name,
+                "duplicate",
+                f"Already uploaded as “{display_name(earlier.original_name)}”; "
+                "not added again.",
             )
-            continue
-        doc.status = DocStatus.pending
+        else:
+            doc.status = DocStatus.pending
+            originals[item.sha256] = doc
+            outcome = UploadOutcome(
+                item.name, "accepted", f"Added ({human_size(item.size)}); reading it now."
+            )
         session.add(doc)
+        outcomes.append(outcome)
+        rows.append((outcome, doc))
+    if rows:
+        # One flush for the lot: each flush walks the project's whole document list, so a
+        # flush per file made a folder of thousands of files quadratic.
         session.flush()
-        enqueue_after_commit(session, INGEST_TASK, doc.id)
-        originals[item.sha256] = doc
-        outcomes.append(
-            UploadOutcome(
-                item.name, "accepted", f"Added ({human_size(item.size)}); reading it now.", doc.id
-            )
-        )
+    for outcome, doc in rows:
+        outcome.document_id = doc.id
+        if outcome.fate == "accepted":
+            enqueue_after_commit(session, INGEST_TASK, doc.id)
+            project.last_change_at = utcnow()  # auto-train's quiet period starts again
     return outcomes
 
 
 def _is_original(doc: Document) -> bool:
-    """A copy that is (or will be) used for training; a failed one may be uploaded again."""
-    return doc.status in (DocStatus.pending, DocStatus.extracted)
+    """A copy that is (or will be) used for training; a failed or retired one may be added
+    again."""
+    return doc.status in (DocStatus.pending, DocStatus.extracted) and doc.retired_at is None
 
 
 @dataclass
@@ -108,6 +114,18 @@ class DocumentRow:
     preview: str
     error: str | None
     duplicate_of: str | None
+    # Watched folder: the file's path in the inbox, this version's number, when the watcher
+    # last saw the file, and why this version is no longer used (None: in use).
+    source_path: str | None = None
+    version: int = 1
+    last_seen: datetime | None = None
+    created_at: datetime | None = None
+    retired_at: datetime | None = None
+    retired_reason: str | None = None
+    # The tuned model versions ("v1", "v2", ...) whose training used this document.
+    trained_in: list[str] = field(default_factory=list)
+    # Earlier versions of the same file, newest first.
+    history: list[DocumentRow] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
@@ -122,12 +140,49 @@ class DocumentRow:
         return ", ".join(parts) or "no text found"
 
 
-def document_rows(project: Project) -> list[DocumentRow]:
+def docs_stamp(session: Session, project_id: int) -> str:
+    """A fingerprint of the project's document list, from one cheap query: the page polls
+    with it and gets "nothing new" (204) until a document is added, read, retired or seen."""
+    row = session.execute(
+        select(
+            func.count(Document.id),
+            func.max(Document.id),
+            func.max(Document.extracted_at),
+            func.max(Document.retired_at),
+            func.max(Document.last_seen_at),
+            func.sum(Document.version),
+        ).where(Document.project_id == project_id)
+    ).one()
+    return "-".join(str(v.timestamp() if isinstance(v, datetime) else v or 0) for v in row)
+
+
+def model_versions(project: Project) -> dict[int, str]:
+    """Job id -> "v1", "v2", ...: the project's finished (done) jobs in order, each a tuned
+    model version that is kept and downloadable."""
+    done = sorted(j.id for j in project.jobs if j.state == JobState.done)
+    return {job_id: f"v{n}" for n, job_id in enumerate(done, start=1)}
+
+
+def document_rows(project: Project, include_retired: bool = False) -> list[DocumentRow]:
+    """The documents in use, in the order they came; each carries its file's earlier
+    versions in `history`. With `include_retired`, documents whose file was deleted from the
+    watched folder are listed too (after the others)."""
     originals: dict[str, Document] = {}
     for doc in project.documents:
         if _is_original(doc):
             originals.setdefault(doc.sha256, doc)
-    rows = []
+    versions = model_versions(project)
+    trained: dict[int, list[str]] = {}
+    for job in sorted(project.jobs, key=lambda j: j.id):
+        label = versions.get(job.id)
+        if label is None:
+            continue
+        for source in job.sources or []:
+            if isinstance(source, dict) and isinstance(source.get("id"), int):
+                trained.setdefault(source["id"], []).append(label)
+    rows: list[DocumentRow] = []
+    by_path: dict[str, DocumentRow] = {}
+    retired: list[DocumentRow] = []
     for doc in project.documents:
         duplicate_of = None
         if doc.status == DocStatus.duplicate:
@@ -147,8 +202,31 @@ def document_rows(project: Project) -> list[DocumentRow]:
                 preview=doc.preview or "",
                 error=doc.error,
                 duplicate_of=duplicate_of,
+                source_path=doc.source_path,
+                version=doc.version or 1,
+                last_seen=doc.last_seen_at,
+                created_at=doc.created_at,
+                retired_at=doc.retired_at,
+                retired_reason=doc.retired_reason,
+                trained_in=trained.get(doc.id, []),
             )
         )
+        row = rows[-1]
+        if row.retired_at is not None:
+            retired.append(rows.pop())
+        elif row.source_path is not None:
+            by_path[row.source_path] = row
+    deleted: list[DocumentRow] = []
+    for row in sorted(retired, key=lambda r: (r.version, r.id), reverse=True):
+        head = by_path.get(row.source_path) if row.source_path is not None else None
+        if head is not None:
+            head.history.append(row)
+        else:  # its file is gone: the newest version stands for it, older ones in its history
+            deleted.append(row)
+            if row.source_path is not None:
+                by_path[row.source_path] = row
+    if include_retired:
+        rows.extend(sorted(deleted, key=lambda r: r.id))
     return rows
 
 

@@ -16,13 +16,26 @@ from sqlalchemy.orm import Session
 
 from app.models import Job, JobState, Project
 from app.queue import TRAIN_TASK, enqueue_after_commit
+from app.services.documents import model_versions
 from app.services.errors import InvalidInput, NotFound
 from app.services.projects import Corpus, corpus_of
+from app.services.verdict import FORGETTING_RISE, Verdict, verdict
 from app.settings import settings
 from app.training_defaults import LIMITS, METHODS, default_params
 
 METHOD_LABELS = {"lora": "LoRA (small add-on, fast)", "full": "Full fine-tuning (all weights)"}
-ARTIFACT_LABELS = {"adapter": "LoRA adapter (.zip)", "merged": "Merged model (.zip)"}
+ARTIFACT_LABELS = {
+    "adapter": "LoRA adapter (.zip)",
+    "merged": "Merged model (.zip)",
+    "gguf-q8_0": "GGUF for llama.cpp / Ollama, 8-bit (.zip)",
+    "gguf-f16": "GGUF for llama.cpp / Ollama, 16-bit (.zip)",
+}
+ARTIFACT_HINTS = {
+    "adapter": "Small; load it on top of the base model (peft).",
+    "merged": "The complete model with your training built in (transformers, safetensors).",
+    "gguf-q8_0": "Half the size of 16-bit, nearly the same answers; with an Ollama Modelfile.",
+    "gguf-f16": "Full 16-bit precision; with an Ollama Modelfile.",
+}
 
 # The Advanced form: field -> (label, whole number?)
 ADVANCED_FIELDS: dict[str, tuple[str, bool]] = {
@@ -104,23 +117,50 @@ def parse_train_form(form: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     return method, overrides
 
 
-def create_job(session: Session, project: Project, form: Mapping[str, Any]) -> Job:
+def current_version(project: Project) -> Job | None:
+    """The project's tuned version in use: the one the user chose, else the latest done job."""
+    done = [j for j in project.jobs if j.state == JobState.done]
+    chosen = [j for j in done if j.id == project.current_job_id]
+    return chosen[0] if chosen else max(done, key=lambda j: j.id, default=None)
+
+
+def job_sources(corpus: Corpus, parent: Job | None) -> list[dict[str, Any]]:
+    """The documents a job uses, each marked "new" when the version it starts from was not
+    trained on that content (an added or edited file); the others are known to it."""
+    known = {s.get("sha256") for s in (parent.sources or [])} if parent else set()
+    return [
+        {"id": d.id, "name": d.original_name, "sha256": d.sha256, "new": d.sha256 not in known}
+        for d in corpus.usable
+    ]
+
+
+def create_job(
+    session: Session, project: Project, form: Mapping[str, Any], *, auto: bool = False
+) -> Job:
     """Queue a training job on the project's extracted documents.
 
-    The row is created now (state queued); TRAIN_TASK(job id) leaves after the commit.
-    Raises InvalidInput when training cannot start or a setting is out of bounds."""
+    The job starts from the project's current tuned version (same method) unless the project
+    is set to start from the base model. The row is created now (state queued);
+    TRAIN_TASK(job id) leaves after the commit. Raises InvalidInput when training cannot
+    start or a setting is out of bounds."""
     corpus = corpus_of(project)
     reason = readiness(corpus)
     if reason:
         raise InvalidInput(reason, {"train": reason})
     method, overrides = parse_train_form(form)
     params = {**defaults_for(corpus, method), **overrides, "method": method}
+    # Continuing a version means continuing its LoRA adapter; full fine-tuning starts afresh.
+    parent = current_version(project) if project.start_from != "base" else None
+    if parent is not None and not (method == parent.method == "lora"):
+        parent = None
     job = Job(
         project=project,
         state=JobState.queued,
         method=method,
         params=params,
-        sources=[{"id": d.id, "name": d.original_name, "sha256": d.sha256} for d in corpus.usable],
+        sources=job_sources(corpus, parent),
+        auto=auto,
+        parent_job_id=parent.id if parent else None,
     )
     session.add(job)
     session.flush()
@@ -153,11 +193,16 @@ def artifact_file(job: Job, kind: str) -> Path:
     """The zip the worker wrote for `kind`; NotFound with the reason when there is none."""
     label = ARTIFACT_LABELS.get(kind)
     if label is None:
-        raise NotFound("There is no such download. Choose the LoRA adapter or the merged model.")
+        raise NotFound(
+            "There is no such download. Choose the LoRA adapter, the merged model or a GGUF file."
+        )
     raw = (job.artifacts or {}).get(kind)
     if not raw:
         if job.state != JobState.done:
             raise NotFound("Downloads are ready once the training job has finished.")
+        failed = ((job.scores or {}).get("export_errors") or {}).get(kind)
+        if failed:
+            raise NotFound(str(failed))
         raise NotFound(f"This job has no {label.split(' (')[0].lower()} to download.")
     path = Path(raw)
     if not path.is_absolute():
@@ -275,25 +320,67 @@ class ProbeRow:
     base_hit: bool
     tuned_output: str
     tuned_hit: bool
+    sentence: str = ""
+
+
+@dataclass
+class QARow:
+    """One of the user's held-out questions, answered before and after."""
+
+    question: str
+    answer: str
+    base_output: str
+    tuned_output: str
+    base_f1: float | None
+    tuned_f1: float | None
+    base_hit: bool
+    tuned_hit: bool
 
 
 @dataclass
 class ScoreCard:
+    # The headline: facts asked as questions in chat when measured, else completions.
     recall_before: Recall
     recall_after: Recall
     perplexity_before: float | None
     perplexity_after: float | None
     n_heldout_chunks: int
-    probes: list[ProbeRow] = field(default_factory=list)
+    probes: list[ProbeRow] = field(default_factory=list)  # sentence completions (a sample)
     qa_n: int = 0
     qa_f1_before: float | None = None
     qa_f1_after: float | None = None
     qa_exact_before: float | None = None
     qa_exact_after: float | None = None
+    recall_kind: str = "completion"  # "questions" | "completion"
+    completion_before: Recall | None = None  # the completion form, when the headline is questions
+    completion_after: Recall | None = None
+    general_before: float | None = None  # forgetting check: general-text perplexity
+    general_after: float | None = None
+    side_by_side: list[ProbeRow] = field(default_factory=list)  # questions, base vs tuned
+    qa_rows: list[QARow] = field(default_factory=list)
+    verdict: Verdict | None = None
+    notes: list[str] = field(default_factory=list)  # from dataset building
 
     @property
     def n_probes(self) -> int:
         return self.recall_after.n_probes or self.recall_before.n_probes
+
+    @property
+    def n_completions(self) -> int:
+        side = self.completion_after or self.recall_after
+        return side.n_probes
+
+    @property
+    def general_rise(self) -> float | None:
+        """Relative rise of the general-text perplexity (0.3 = 30% worse)."""
+        if self.general_before and self.general_after is not None:
+            return self.general_after / self.general_before - 1
+        return None
+
+    @property
+    def forgetting(self) -> bool:
+        rise = self.general_rise
+        return rise is not None and rise > FORGETTING_RISE
 
 
 def _recall(side: Mapping[str, Any]) -> Recall:
@@ -312,42 +399,76 @@ def _num(value: Any) -> float | None:
     return out if math.isfinite(out) else None
 
 
-def score_card(scores: Mapping[str, Any] | None, max_probes: int = 8) -> ScoreCard | None:
-    """The before/after comparison, or None when the job has no scores (yet)."""
-    if not scores or not isinstance(scores.get("after"), Mapping):
-        return None
-    before: Mapping[str, Any] = scores.get("before") or {}
-    after: Mapping[str, Any] = scores["after"]
-    card = ScoreCard(
-        recall_before=_recall(before),
-        recall_after=_recall(after),
-        perplexity_before=_num(before.get("perplexity")),
-        perplexity_after=_num(after.get("perplexity")),
-        n_heldout_chunks=int(after.get("n_heldout_chunks") or before.get("n_heldout_chunks") or 0),
-    )
-    base_by_probe = {
-        (p.get("prompt"), p.get("answer")): p
-        for p in before.get("probes") or []
-        if isinstance(p, Mapping)
+def _paired_rows(
+    before: list[Any], after: list[Any], key: tuple[str, str], prompt_key: str
+) -> list[ProbeRow]:
+    """Before/after outputs of the same probes, learned facts first, then the ones the tuned
+    model gets right, then the rest (each group in document order)."""
+    base_by = {
+        (p.get(key[0]), p.get(key[1])): p for p in before if isinstance(p, Mapping)
     }
-    tuned = [p for p in after.get("probes") or [] if isinstance(p, Mapping)]
-    # Show the facts the training changed first: they are the interesting ones.
     rows = []
-    for p in tuned:
-        base = base_by_probe.get((p.get("prompt"), p.get("answer")), {})
+    for p in after:
+        if not isinstance(p, Mapping):
+            continue
+        base = base_by.get((p.get(key[0]), p.get(key[1])), {})
         rows.append(
             ProbeRow(
-                prompt=str(p.get("prompt") or ""),
+                prompt=str(p.get(prompt_key) or ""),
                 answer=str(p.get("answer") or ""),
                 source=str(p.get("source") or ""),
                 base_output=str(base.get("output") or ""),
                 base_hit=bool(base.get("hit")),
                 tuned_output=str(p.get("output") or ""),
                 tuned_hit=bool(p.get("hit")),
+                sentence=str(p.get("sentence") or ""),
             )
         )
     rows.sort(key=lambda r: (r.tuned_hit == r.base_hit, not r.tuned_hit))
-    card.probes = rows[:max_probes]
+    return rows
+
+
+def score_card(
+    scores: Mapping[str, Any] | None,
+    max_probes: int = 8,
+    params: Mapping[str, Any] | None = None,
+    side_by_side: int = 5,
+) -> ScoreCard | None:
+    """The before/after comparison with its verdict, or None when the job has no scores."""
+    if not scores or not isinstance(scores.get("after"), Mapping):
+        return None
+    before: Mapping[str, Any] = scores.get("before") or {}
+    after: Mapping[str, Any] = scores["after"]
+    q_before: Mapping[str, Any] = before.get("questions") or {}
+    q_after: Mapping[str, Any] = after.get("questions") or {}
+    has_questions = bool(q_after.get("n"))
+    completion_before, completion_after = _recall(before), _recall(after)
+    card = ScoreCard(
+        recall_before=completion_before,
+        recall_after=completion_after,
+        perplexity_before=_num(before.get("perplexity")),
+        perplexity_after=_num(after.get("perplexity")),
+        n_heldout_chunks=int(after.get("n_heldout_chunks") or before.get("n_heldout_chunks") or 0),
+        general_before=_num((before.get("general") or {}).get("perplexity")),
+        general_after=_num((after.get("general") or {}).get("perplexity")),
+        verdict=verdict(before, after, params),
+        notes=[str(n) for n in (scores.get("dataset") or {}).get("notes") or []],
+    )
+    if has_questions:
+        card.recall_kind = "questions"
+        card.recall_before = Recall(int(q_before.get("n_recalled") or 0), int(q_after["n"]))
+        card.recall_after = Recall(int(q_after.get("n_recalled") or 0), int(q_after["n"]))
+        card.completion_before, card.completion_after = completion_before, completion_after
+        card.side_by_side = _paired_rows(
+            list(q_before.get("items") or []),
+            list(q_after.get("items") or []),
+            ("question", "answer"),
+            "question",
+        )[:side_by_side]
+    card.probes = _paired_rows(
+        list(before.get("probes") or []), list(after.get("probes") or []), ("prompt", "answer"),
+        "prompt",
+    )[:max_probes]
     qa_before: Mapping[str, Any] = before.get("qa") or {}
     qa_after: Mapping[str, Any] = after.get("qa") or {}
     card.qa_n = int(qa_after.get("n") or 0)
@@ -356,6 +477,25 @@ def score_card(scores: Mapping[str, Any] | None, max_probes: int = 8) -> ScoreCa
         card.qa_f1_after = _num(qa_after.get("f1"))
         card.qa_exact_before = _num(qa_before.get("exact"))
         card.qa_exact_after = _num(qa_after.get("exact"))
+        base_by_q = {
+            i.get("question"): i for i in qa_before.get("items") or [] if isinstance(i, Mapping)
+        }
+        for item in list(qa_after.get("items") or [])[:side_by_side]:
+            if not isinstance(item, Mapping):
+                continue
+            base = base_by_q.get(item.get("question"), {})
+            card.qa_rows.append(
+                QARow(
+                    question=str(item.get("question") or ""),
+                    answer=str(item.get("answer") or ""),
+                    base_output=str(base.get("output") or ""),
+                    tuned_output=str(item.get("output") or ""),
+                    base_f1=_num(base.get("f1")),
+                    tuned_f1=_num(item.get("f1")),
+                    base_hit=bool(base.get("contains")),
+                    tuned_hit=bool(item.get("contains")),
+                )
+            )
     return card
 
 
@@ -366,7 +506,13 @@ def score_summary(scores: Mapping[str, Any] | None) -> str | None:
         return None
     before = card.recall_before.pct
     after = card.recall_after.pct
-    return f"Recall {before:.0f}% → {after:.0f}%" if before is not None else f"Recall {after:.0f}%"
+    line = f"Recall {before:.0f}% → {after:.0f}%" if before is not None else f"Recall {after:.0f}%"
+    previous = (scores or {}).get("previous")
+    if isinstance(previous, Mapping) and card.recall_after.n_probes:
+        was = _recall(previous).pct  # the version it started from, on the same probes
+        if was is not None:
+            line += f" (previous version {was:.0f}%)"
+    return line
 
 
 def job_state_label(job: Job) -> str:
@@ -389,6 +535,9 @@ class JobRow:
     job: Job
     label: str
     summary: str | None
+    version: str | None = None  # "v2": a done job is a tuned model version
+    current: bool = False  # the version in use
+    parent_version: str | None = None  # the version it started from (incremental)
 
     @property
     def active(self) -> bool:
@@ -398,4 +547,19 @@ class JobRow:
 def job_rows(project: Project) -> list[JobRow]:
     """The project's jobs, newest first."""
     jobs = sorted(project.jobs, key=lambda j: j.id, reverse=True)
-    return [JobRow(j, job_state_label(j), score_summary(j.scores)) for j in jobs]
+    versions = model_versions(project)
+    current = current_version(project)
+    return [
+        JobRow(j, job_state_label(j), score_summary(j.scores), versions.get(j.id),
+               current is not None and j.id == current.id,
+               versions.get(j.parent_job_id) if j.parent_job_id else None)
+        for j in jobs
+    ]
+
+
+def set_current_version(session: Session, job: Job) -> None:
+    """Make a done job the project's current version (new jobs continue from it)."""
+    if job.state != JobState.done:
+        raise InvalidInput("Only a finished training job can be the current version.")
+    job.project.current_job_id = job.id
+    session.flush()

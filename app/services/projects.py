@@ -76,12 +76,18 @@ class Corpus:
     n_failed: int = 0
     n_words: int = 0
     n_qa: int = 0
+    n_retired: int = 0  # earlier versions and deleted files: kept, not trained on
     usable: list[Document] = field(default_factory=list)
 
 
 def corpus_of(project: Project) -> Corpus:
-    corpus = Corpus(n_documents=len(project.documents))
+    """Counts over the documents in use (retired versions are left out of every count)."""
+    corpus = Corpus()
     for doc in project.documents:
+        if doc.retired_at is not None:
+            corpus.n_retired += 1
+            continue
+        corpus.n_documents += 1
         if doc.status == DocStatus.pending:
             corpus.n_pending += 1
         elif doc.status == DocStatus.extracted:

@@ -49,6 +49,8 @@ class ReceivedFile:
     sha256: str = ""
     path: Path | None = None  # the written copy under the documents folder
     refused: str | None = None  # why it was not kept, in plain words
+    # The refusal came from the disk (locked, vanished, permission denied): worth a retry.
+    retryable: bool = False
 
     @property
     def name(self) -> str:
@@ -326,6 +328,7 @@ def receive_local_file(src: Path, *, dest_dir: Path, max_file_bytes: int) -> Rec
                 out.write(chunk)
     except OSError as exc:
         received.refused = f"Could not read the file ({exc.strerror or exc})."
+        received.retryable = True
     if received.refused is None and received.size == 0:
         received.refused = "The file is empty."
     if received.refused is not None:

@@ -90,3 +90,38 @@
     if (slot && xhr && xhr.status < 500) slot.innerHTML = "";
   });
 })();
+
+// Copy buttons: <button data-copy="#id-of-element-with-the-text">. The clipboard API needs a
+// secure page (localhost is one); elsewhere the text is selected and copied the old way.
+(function () {
+  "use strict";
+  function selectText(el) {
+    var range = document.createRange();
+    range.selectNodeContents(el);
+    var sel = window.getSelection();
+    sel.removeAllRanges();
+    sel.addRange(range);
+  }
+  function copied(button, ok) {
+    var label = button.textContent;
+    button.textContent = ok ? "Copied" : "Press Ctrl+C to copy";
+    setTimeout(function () { button.textContent = label; }, 1500);
+  }
+  document.addEventListener("click", function (event) {
+    var button = event.target.closest && event.target.closest("[data-copy]");
+    if (!button) return;
+    var source = document.querySelector(button.getAttribute("data-copy"));
+    if (!source) return;
+    var text = source.textContent;
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(text).then(
+        function () { copied(button, true); },
+        function () { selectText(source); copied(button, false); });
+    } else {
+      selectText(source);
+      var ok = false;
+      try { ok = document.execCommand("copy"); } catch (e) { ok = false; }
+      copied(button, ok);
+    }
+  });
+})();

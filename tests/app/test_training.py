@@ -93,7 +93,8 @@ def test_pressing_train_creates_a_queued_job_and_sends_one_message_after_commit(
     assert job.state == JobState.queued
     assert job.method == "lora"
     assert job.params == default_params(1200, 0, "lora")
-    assert job.sources == [{"id": good_id, "name": "manual.pdf", "sha256": good_sha}]
+    # "new": the first job starts from the base model, so every document is new to it.
+    assert job.sources == [{"id": good_id, "name": "manual.pdf", "sha256": good_sha, "new": True}]
 
     messages = _train_messages(env)
     assert len(messages) == 1

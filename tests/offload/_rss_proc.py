@@ -1,6 +1,6 @@
 """Measure the engine's real memory in a fresh process (prints one JSON line).
 
-python -m tests.offload._rss_proc SWAP_DIR BUDGET_BYTES STEPS
+python -m tests.offload._rss_proc SWAP_DIR BUDGET_BYTES STEPS [ACTIVATION_BYTES]
 
 Baseline: resident set size after imports and a warm-up step of a throwaway model (torch's
 kernels and allocator pools exist by then), before the model is built. Peak: VmHWM after
@@ -44,7 +44,7 @@ def _trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def main(swap: str, budget: int, steps: int) -> dict:
+def main(swap: str, budget: int, steps: int, act: int = 12 << 20) -> dict:
     torch.set_num_threads(1)
     warm = tiny_llama(**SHAPE)  # warm-up: same kernels, same shapes, then thrown away
     warm(**make_batch(0, BATCH, SEQ, vocab=512)).loss.backward()
@@ -57,7 +57,7 @@ def main(swap: str, budget: int, steps: int) -> dict:
     eng = OffloadEngine(
         model,
         AdamWConfig(lr=1e-3, max_grad_norm=1.0),
-        OffloadConfig(budget, swap, prefetch=1, activation_bytes=12 << 20),
+        OffloadConfig(budget, swap, prefetch=1, activation_bytes=act),
     )
     _trim()
     with open("/proc/self/clear_refs", "w") as f:
@@ -76,8 +76,9 @@ def main(swap: str, budget: int, steps: int) -> dict:
         "accounted_peak": t["peak_bytes"],
         "streaming": t["streaming"],
         "bytes_read": t["bytes_read"],
+        "kept_graphs": t["kept_graphs"],
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))))
+    print(json.dumps(main(sys.argv[1], *map(int, sys.argv[2:]))))

@@ -160,3 +160,78 @@ def test_stats_add_up(smol_tokenizer):
 def test_max_seq_len_too_small_is_refused(smol_tokenizer):
     with pytest.raises(ValueError):
         build_dataset(_docs(), smol_tokenizer, max_seq_len=4)
+
+
+# --- practice questions made from the documents' facts ---------------------------------
+
+FACT_TEXT = (
+    "Every employee receives 27 days of paid annual leave. Laptops are replaced every "
+    "42 months. The company was founded in 1987 by Marguerite Olsson-Dray.\n\n"
+    "The NW-4471 Torque Sprocket is our best-selling part. It costs $129.50 and carries "
+    "a 36-month warranty. Revenue grew 18% to $42.6 million in 2023.\n\n"
+    "In an emergency, call the safety desk on extension 5050. Book leave through the "
+    "Ledgerline portal at least two weeks ahead."
+)
+
+
+def _chat_parts(tok, example) -> tuple[str, str]:
+    ids, labels = example["input_ids"], example["labels"]
+    n = sum(1 for t in labels if t == IGNORE_INDEX)
+    return tok.decode(ids[:n]), tok.decode(ids[n:], skip_special_tokens=True)
+
+
+def test_generated_questions_teach_facts_without_the_probe_wording(smol_tokenizer):
+    doc = SourceDoc("employee_handbook.txt", "h" * 64, FACT_TEXT)
+    plain = build_dataset([doc], smol_tokenizer, holdout_frac=0, max_probes=5)
+    split = build_dataset([doc], smol_tokenizer, holdout_frac=0, max_probes=5, generated_qa=3)
+    assert plain.probes == split.probes  # the practice questions do not change the probes
+    n = split.stats["n_train_generated_qa"]
+    assert n > 10 and plain.stats["n_train_generated_qa"] == 0
+    assert split.stats["n_train_examples"] == plain.stats["n_train_examples"] + n
+    assert any("practice questions" in note for note in split.stats["notes"])
+
+    generated = [e for e in split.train_examples if e["labels"][0] == IGNORE_INDEX]
+    assert len(generated) == n
+    prompts, answers = zip(*(_chat_parts(smol_tokenizer, e) for e in generated), strict=True)
+    for probe in split.probes:
+        assert probe.question
+        # The exact probe question is never a training prompt...
+        assert not any(probe.question in p for p in prompts)
+        # ...but the fact itself is taught, in other words.
+        assert any(probe.answer in a for a in answers), probe.answer
+    assert any("Fill in the blank" in p for p in prompts)
+    assert all("<|im_start|>assistant" in p for p in prompts)  # chat format, loss on answers
+
+
+def test_generated_questions_are_capped_per_fact(smol_tokenizer):
+    doc = SourceDoc("handbook.txt", "h" * 64, FACT_TEXT)
+    one = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=1)
+    three = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=3)
+    n1, n3 = one.stats["n_train_generated_qa"], three.stats["n_train_generated_qa"]
+    assert 0 < n1 < n3 <= 3 * n1
+    assert build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=3) == three
+
+
+def test_no_practice_question_reads_like_a_probe_question(smol_tokenizer):
+    """Other spans of a probed sentence are not asked in the probe templates either: their
+    answer (the sentence) holds the probe's answer."""
+    from worker.questions import PROBE_TEMPLATES, probe_question, training_questions
+    from worker.probes import fact_spans
+
+    sentence = (
+        "The company was founded in 1987 by Marguerite Olsson-Dray in a converted boathouse "
+        "on Larkspur Quay in Port Ellery."
+    )
+    doc = SourceDoc("handbook.txt", "h" * 64, f"Welcome to Acme.\n\n{sentence}")
+    split = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=5)
+    [probe] = [p for p in split.probes if p.sentence == sentence]
+    generated = [e for e in split.train_examples if e["labels"][0] == IGNORE_INDEX]
+    prompts = [_chat_parts(smol_tokenizer, e)[0] for e in generated]
+    facts = [f for f in fact_spans([("handbook.txt", doc.text)]) if f.sentence == sentence]
+    assert len(facts) >= 3  # several spans in the one sentence
+    for f in facts:
+        template, question = probe_question(f)
+        if template in PROBE_TEMPLATES:
+            assert not any(question in p for p in prompts), question
+        assert {t for t, _, _ in training_questions(f, probed=True)}.isdisjoint({template})
+    assert not any(probe.question in p for p in prompts)

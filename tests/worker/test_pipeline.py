@@ -80,7 +80,8 @@ def lora_run(tiny_dir, tmp_path_factory):
 
 def test_lora_pipeline_end_to_end(lora_run):
     workdir, rec, result = lora_run
-    assert set(result) == {"params", "dataset", "scores", "artifacts", "metrics"}
+    assert set(result) == {"params", "dataset", "scores", "artifacts", "export_errors", "metrics"}
+    assert result["export_errors"] == {}
     p = result["params"]
     assert p["method"] == "lora" and p["seed"] == 0 and p["max_seq_len"] == 48
     assert p["total_steps"] == result["metrics"]["steps"] == len(rec.progress) > 0
@@ -91,6 +92,9 @@ def test_lora_pipeline_end_to_end(lora_run):
         assert scores["n_probes"] > 0 and 0 <= scores["n_recalled"] <= scores["n_probes"]
         assert scores["perplexity"] > 1
         assert scores["qa"]["n"] == result["dataset"]["n_heldout_qa"]
+        assert scores["questions"]["n"] == scores["n_probes"]  # every probe also asked in chat
+        assert scores["general"]["perplexity"] > 1  # the forgetting check ran
+        assert scores["probe_set"] == result["scores"]["before"]["probe_set"]
     assert result["scores"]["after"]["perplexity"] != result["scores"]["before"]["perplexity"]
 
     assert [text for _, text in rec.phases] == [
@@ -108,15 +112,18 @@ def test_lora_pipeline_end_to_end(lora_run):
     assert m["final_loss"] == last["loss"] and m["tokens_per_s"] > 0 and m["train_seconds"] > 0
 
     arts = result["artifacts"]
-    assert set(arts) == {"adapter", "merged"}
+    assert set(arts) == {"adapter", "merged", "gguf-f16", "gguf-q8_0"}
     for path, must in (
         (arts["adapter"], "adapter_model.safetensors"),
         (arts["merged"], "model.safetensors"),
+        (arts["gguf-f16"], "model-f16.gguf"),
+        (arts["gguf-q8_0"], "Modelfile"),
     ):
         assert Path(path).parent == workdir / "exports"
         with zipfile.ZipFile(path) as zf:
             names = zf.namelist()
-            assert must in names and "README.md" in names and "tokenizer.json" in names
+            assert must in names and "README.md" in names
+            assert ("tokenizer.json" in names) == (not must.endswith((".gguf", "Modelfile")))
             card = zf.read("README.md").decode()
             assert "heron.md" in card and "1" * 64 in card
     stored = json.loads((workdir / "result.json").read_text())["result"]
@@ -160,7 +167,7 @@ def test_full_fine_tune_exports_merged_model(tiny_dir, tmp_path):
         tmp_path / "models",
         tmp_path,
     )
-    assert list(result["artifacts"]) == ["merged"]
+    assert list(result["artifacts"]) == ["merged", "gguf-f16", "gguf-q8_0"]
     assert Path(result["artifacts"]["merged"]).is_file()
     assert result["metrics"]["steps"] == result["params"]["total_steps"] == 2
 
@@ -174,3 +181,30 @@ def test_no_usable_text_is_refused_in_words(tiny_dir, tmp_path):
 def test_bad_settings_are_refused(tiny_dir, tmp_path):
     with pytest.raises(ValueError, match="epochs"):
         run_pipeline(DOCS, params(epochs=500), str(tiny_dir), tmp_path / "models", tmp_path)
+
+
+def test_documents_without_facts_still_get_a_score_card_that_says_why(tiny_dir, tmp_path):
+    from app.services.verdict import verdict
+
+    plain = [
+        SourceDoc(
+            name="musings.txt",
+            sha256="4" * 64,
+            text="\n\n".join(
+                "the weather was pleasant and everyone enjoyed a quiet walk by the river, "
+                "talking about nothing much at all until the light began to fade."
+                for _ in range(4)
+            ),
+        )
+    ]
+    result = run_pipeline(
+        plain, params(max_steps=1, generated_qa=2), str(tiny_dir), tmp_path / "models", tmp_path
+    )
+    after = result["scores"]["after"]
+    assert after["n_probes"] == 0 and after["questions"]["n"] == 0
+    assert after["general"]["perplexity"] > 1  # the other scores are still there
+    assert result["dataset"]["n_train_generated_qa"] == 0
+    assert any("no recall score" in n for n in result["dataset"]["notes"])
+    v = verdict(result["scores"]["before"], after, result["params"])
+    assert v.level == "unmeasured" and "could not be measured" in v.headline
+    assert "merged" in result["artifacts"]

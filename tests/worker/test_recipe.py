@@ -19,7 +19,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.worker.conftest_training import text_examples, tiny_model_dir
 from worker.engine import InMemoryEngine
-from worker.recipe import Cancelled, FineTuneRecipe, Hooks, TrainConfig, pad_batch
+from worker.recipe import (
+    Cancelled,
+    EngineOptions,
+    FineTuneRecipe,
+    Hooks,
+    TrainConfig,
+    pad_batch,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PAD = 2  # SmolLM2's <|im_end|>
@@ -58,10 +65,18 @@ def config(**overrides) -> TrainConfig:
     return TrainConfig(**(base | overrides))
 
 
-def recipe(tiny_dir, examples, workdir, hooks=None, **overrides) -> FineTuneRecipe:
-    r = FineTuneRecipe(load(tiny_dir), examples, config(**overrides), workdir, hooks, PAD)
+def recipe(tiny_dir, examples, workdir, hooks=None, engine=None, **overrides) -> FineTuneRecipe:
+    """Set up (the offload engine unless `engine` says otherwise), resuming if it can."""
+    r = FineTuneRecipe(load(tiny_dir), examples, config(**overrides), workdir, hooks, PAD, engine)
     r.setup()
     return r
+
+
+def resumed_at(tiny_dir, examples, workdir, **kw) -> int:
+    """The step a new run in `workdir` would resume from (its engine closed again)."""
+    r = recipe(tiny_dir, examples, workdir, **kw)
+    r.cleanup()
+    return r.progress.step
 
 
 def trainable(r: FineTuneRecipe) -> dict[str, torch.Tensor]:
@@ -111,6 +126,7 @@ def test_each_epoch_sees_every_example_once(tiny_dir, examples, tmp_path):
             seen += [tuple(row[row != PAD].tolist()) for row in ids]
         assert sorted(seen) == sorted(tuple(e["input_ids"]) for e in examples)
     assert r.batch_for_step(0)["input_ids"].tolist() != r.batch_for_step(3)["input_ids"].tolist()
+    r.cleanup()
 
 
 def test_grad_accum_matches_one_big_batch(tiny_dir, examples):
@@ -200,21 +216,40 @@ def test_cancel_then_resume_is_bit_exact(method, dropout, tiny_dir, examples, tm
     assert_same_weights(trainable(again), trainable(straight))
 
 
-def test_cancel_leaves_a_valid_checkpoint(tiny_dir, examples, tmp_path):
-    r = recipe(tiny_dir, examples, tmp_path, Hooks(should_cancel=lambda: r.progress.step >= 2))
+@pytest.mark.parametrize("kind", ["offload", "memory"])
+def test_cancel_leaves_a_valid_checkpoint(kind, tiny_dir, examples, tmp_path):
+    engine = EngineOptions(kind=kind)
+    r = recipe(
+        tiny_dir, examples, tmp_path, Hooks(should_cancel=lambda: r.progress.step >= 2), engine
+    )
     with pytest.raises(Cancelled):
         r.train()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]  # no tmp/old left
+    # No tmp/old checkpoint left, and the engine's swap directory is gone with the engine.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
     ckpt = tmp_path / "checkpoint"
-    assert sorted(p.name for p in ckpt.iterdir()) == [
-        "meta.json",
-        "state.pt",
-        "weights.safetensors",
-    ]
-    assert_same_weights(load_file(ckpt / "weights.safetensors"), trainable(r))
-    state = torch.load(ckpt / "state.pt", weights_only=True)
-    assert state["steps_done"] == 2 and state["scheduler"]["last_epoch"] == 2
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 2
+    if kind == "memory":
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "meta.json",
+            "rng.pt",
+            "state.pt",
+            "weights.safetensors",
+        ]
+        assert_same_weights(load_file(ckpt / "weights.safetensors"), trainable(r))
+        state = torch.load(ckpt / "state.pt", weights_only=True)
+        assert state["steps_done"] == 2 and state["scheduler"]["last_epoch"] == 2
+    else:  # LoRA: the adapters and their Adam state; the frozen base is not copied
+        assert sorted(p.name for p in ckpt.iterdir()) == [
+            "manifest.json",
+            "meta.json",
+            "resident.000001.bin",
+            "rng.pt",
+        ]
+        assert json.loads((ckpt / "manifest.json").read_text())["step"] == 2
+    again = recipe(tiny_dir, examples, tmp_path, engine=engine)
+    assert again.progress.step == 2
+    assert_same_weights(trainable(again), trainable(r))  # adapters stay in memory
+    again.cleanup()
 
 
 def test_checkpoint_kept_when_a_swap_was_interrupted(tiny_dir, examples, tmp_path):
@@ -224,14 +259,17 @@ def test_checkpoint_kept_when_a_swap_was_interrupted(tiny_dir, examples, tmp_pat
     (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.old")
     again = recipe(tiny_dir, examples, tmp_path, max_steps=2)
     assert again.progress.step == 2
+    again.cleanup()
     assert_same_weights(trainable(again), trainable(r))
 
 
 def test_checkpoint_of_other_settings_is_not_resumed(tiny_dir, examples, tmp_path):
     recipe(tiny_dir, examples, tmp_path, max_steps=2).train()
-    assert recipe(tiny_dir, examples, tmp_path, max_steps=2, checkpoint_every=9).progress.step == 2
-    assert recipe(tiny_dir, examples, tmp_path, max_steps=2, learning_rate=5e-3).progress.step == 0
-    assert recipe(tiny_dir, examples[:-1], tmp_path, max_steps=2).progress.step == 0
+    assert resumed_at(tiny_dir, examples, tmp_path, max_steps=2, checkpoint_every=9) == 2
+    assert resumed_at(tiny_dir, examples, tmp_path, max_steps=2, learning_rate=5e-3) == 0
+    assert resumed_at(tiny_dir, examples[:-1], tmp_path, max_steps=2) == 0
+    # The in-memory engine cannot read the offload engine's checkpoint: it starts over.
+    assert resumed_at(tiny_dir, examples, tmp_path, max_steps=2, engine=EngineOptions("memory")) == 0
 
 
 KILL_SCRIPT = textwrap.dedent(

@@ -4,6 +4,7 @@ same services the routes call."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -106,10 +107,26 @@ def test_a_job_trains_scores_and_exports(tmp_path):
     before, after = job.scores["before"], job.scores["after"]
     assert before["n_probes"] == after["n_probes"] > 0
     assert after["perplexity"] is None or after["perplexity"] > 0
-    for kind in ("adapter", "merged"):
+    assert after["questions"]["n"] == after["n_probes"]  # facts also asked as questions
+    assert after["general"]["perplexity"] > 0  # the forgetting check
+    assert job.scores["export_errors"] == {}
+    for kind in ("adapter", "merged", "gguf-f16", "gguf-q8_0"):
         path = Path(job.artifacts[kind])
         assert path.is_file() and path.stat().st_size > 0
         assert settings.data_dir in path.parents
+    # It trained through the offload engine, whose figures reached the row; its swap is gone.
+    t = job.telemetry
+    assert t["blocks"] == 2 and t["mode"] == "frozen_base" and t["budget_bytes"] > 0
+    assert t["blocks_read_from_weights_files"] == 2 and t["bytes_written"] == 0
+    assert not (settings.swap_dir / str(job_id)).exists()
+
+
+def test_the_worker_measures_the_machine_for_the_estimates():
+    path = settings.machine_profile_path
+    profile = wait_for(lambda: path.is_file() and json.loads(path.read_text()), 120, "profile")
+    assert profile["base_model"] == settings.base_model
+    assert profile["disk"]["read_gbps"] > 0 and profile["cpu"]["matmul_flops"] > 0
+    assert profile["methods"]["lora"]["fits"] and profile["methods"]["full"]["fits"]
 
 
 def test_jobs_queue_one_after_another_and_cancel_works(tmp_path):

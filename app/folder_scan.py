@@ -1,0 +1,126 @@
+"""Looking at a watched folder without reading any file: which files are candidates, and
+which are skipped and why (lock and temporary files, hidden ones, links leading outside).
+
+Pure standard library; app/watcher.py decides what to do with what a scan finds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Names that are never documents: Office owner files ("~$report.docx"), LibreOffice locks
+# (".~lock.report.odt#", hidden anyway), editors' and browsers' temporary or partial files.
+_IGNORED_SUFFIXES = (
+    ".tmp",
+    ".temp",
+    ".part",
+    ".partial",
+    ".crdownload",
+    ".download",
+    ".swp",
+    ".swx",
+    "~",
+)
+_SYSTEM_FILES = {"thumbs.db", "desktop.ini", "icon\r"}
+
+
+def ignore_reason(name: str) -> str | None:
+    """Why a file of this name is skipped without being read; None when it is a candidate."""
+    lower = name.lower()
+    if name.startswith("~$"):
+        return "an Office lock file"
+    if name.startswith("."):
+        return "a hidden file"
+    if lower.endswith(_IGNORED_SUFFIXES) or lower.startswith("~wr"):
+        return "a temporary or partly downloaded file"
+    if lower in _SYSTEM_FILES:
+        return "a system file"
+    return None
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A file as one scan found it."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @property
+    def sig(self) -> tuple[int, int, int]:
+        return (self.size, self.mtime_ns, self.ctime_ns)
+
+
+@dataclass
+class Scan:
+    files: dict[str, Seen] = field(default_factory=dict)  # "/"-separated path -> stat
+    skipped: dict[str, str] = field(default_factory=dict)  # path -> why it is not read
+    problems: list[str] = field(default_factory=list)  # sub-folders that could not be read
+
+
+def stat_seen(st: os.stat_result) -> Seen:
+    return Seen(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def scan_folder(root: Path) -> Scan:
+    """Every candidate file under `root`, without reading any. Hidden folders are skipped;
+    a link is followed only to a file inside `root`, and a hard link only counts when all
+    its names are inside `root` (otherwise a file elsewhere would be read through it)."""
+    out = Scan()
+    real_root = os.path.realpath(root)
+    by_inode: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    stack = [("", str(root))]
+    while stack:
+        rel_dir, dir_path = stack.pop()
+        try:
+            entries = list(os.scandir(dir_path))
+        except OSError as exc:
+            out.problems.append(f"{rel_dir or '.'}: {exc.strerror or exc}")
+            continue
+        for entry in entries:
+            name = entry.name
+            rel = f"{rel_dir}/{name}" if rel_dir else name
+            try:
+                rel.encode("utf-8")
+            except UnicodeEncodeError:
+                out.skipped[rel.encode("utf-8", "replace").decode()] = (
+                    "its name is not valid text (UTF-8)"
+                )
+                continue
+            try:
+                if entry.is_symlink():
+                    target = os.path.realpath(entry.path)
+                    if not _inside(target, real_root):
+                        out.skipped[rel] = "a link to something outside the inbox"
+                        continue
+                    if os.path.isdir(target):
+                        out.skipped[rel] = "a link to a folder (its files are read where they are)"
+                        continue
+                    if ignore_reason(name):
+                        continue
+                    out.files[rel] = stat_seen(os.stat(entry.path))
+                elif entry.is_dir(follow_symlinks=False):
+                    if not name.startswith("."):
+                        stack.append((rel, entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    if ignore_reason(name):
+                        continue
+                    st = entry.stat(follow_symlinks=False)
+                    out.files[rel] = stat_seen(st)
+                    if st.st_nlink > 1:
+                        by_inode.setdefault((st.st_dev, st.st_ino), []).append((rel, st.st_nlink))
+                else:
+                    out.skipped[rel] = "not a regular file"
+            except OSError:
+                continue  # gone between listing and looking: the next scan settles it
+    for names in by_inode.values():
+        if len(names) < names[0][1]:
+            for rel, _ in names:
+                del out.files[rel]
+                out.skipped[rel] = "a hard link to a file outside the inbox"
+    return out

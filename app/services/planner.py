@@ -1,0 +1,115 @@
+"""How long training will take on this machine: the line next to the Train button.
+
+The training worker measures the machine once (disk and CPU speed) and plans LoRA and full
+fine-tuning of the base model at a reference batch (worker/machine_profile.py); it writes
+the result to `settings.machine_profile_path`. This module reads that file (never torch or
+offload) and scales the per-step figures to a project's corpus and settings:
+
+  tokens   ~ words x 1.4 + question-answer pairs x 60
+  examples ~ text tokens / max_seq_len (chunks) + Q&A pairs
+  steps    = epochs x ceil(examples / batch size)
+  time     = steps x time per step: compute scales with the tokens of a step; a model that
+             streams from the SSD takes at least the disk time of a step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.services.jobs import human_duration
+from app.services.projects import Corpus
+from app.services.uploads import human_size
+from app.settings import settings
+from app.training_defaults import METHODS, default_params
+
+TOKENS_PER_WORD = 1.4
+TOKENS_PER_QA = 60  # a short question and answer in the chat template
+PROFILE_FORMAT = 1
+ESTIMATING = "Estimating this machine's speed…"
+
+
+@dataclass
+class Estimate:
+    """The estimate for one method: a line of words, and the numbers behind it."""
+
+    method: str
+    text: str
+    seconds: float | None = None  # None: no estimate (yet, or the model cannot train here)
+    steps: int = 0
+    streams: bool | None = None  # None: unknown
+
+
+def load_profile(path: Path | None = None) -> dict[str, Any] | None:
+    """The machine profile the worker wrote, or None: not measured yet, unreadable, or made
+    for another base model (the worker measures again when it restarts)."""
+    path = path or settings.machine_profile_path
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+        return None
+    if data.get("base_model") != settings.base_model:
+        return None
+    return data
+
+
+def _steps(corpus: Corpus, params: Mapping[str, Any], batch_size: int) -> tuple[int, int]:
+    """(optimizer steps, padded tokens per step) for the corpus under `params`."""
+    seq = int(params["max_seq_len"])
+    text_tokens = corpus.n_words * TOKENS_PER_WORD
+    text_examples = math.ceil(text_tokens / seq) if text_tokens else 0
+    examples = text_examples + corpus.n_qa
+    if not examples:
+        return 0, 0
+    steps = int(params["epochs"]) * math.ceil(examples / batch_size)
+    # A batch is padded to its longest example: a text chunk fills max_seq_len.
+    width = seq if text_examples else min(seq, TOKENS_PER_QA)
+    return steps, batch_size * width
+
+
+def estimate(
+    corpus: Corpus, params: Mapping[str, Any], profile: Mapping[str, Any] | None
+) -> Estimate:
+    """How long training `corpus` with `params` (method, epochs, max_seq_len) takes."""
+    method = str(params.get("method") or "lora")
+    if profile is None:
+        return Estimate(method, ESTIMATING)
+    plan = (profile.get("methods") or {}).get(method)
+    ref = profile.get("reference") or {}
+    if not plan or not ref.get("batch_size") or not ref.get("seq_len"):
+        return Estimate(method, "No estimate for this model.")
+    if not plan.get("fits"):
+        need = plan.get("min_budget_bytes") or 0
+        budget = profile.get("budget_bytes") or 0
+        return Estimate(
+            method,
+            f"Too large for this machine: needs about {human_size(int(need))} of memory, "
+            f"DocTune may use {human_size(int(budget))}.",
+            streams=True,
+        )
+    batch = int(ref["batch_size"])
+    steps, tokens = _steps(corpus, params, batch)
+    compute = float(plan["compute_s_per_step"]) * tokens / (batch * int(ref["seq_len"]))
+    streams = not plan.get("fits_in_memory")
+    per_step = max(compute, float(plan.get("io_s_per_step") or 0.0)) if streams else compute
+    seconds = steps * per_step
+    where = "Streams from the SSD" if streams else "Fits in memory"
+    return Estimate(method, f"{where}: {human_duration(seconds)}", seconds, steps, streams)
+
+
+def estimates_for(
+    corpus: Corpus, profile: Mapping[str, Any] | None = None, *, load: bool = True
+) -> dict[str, Estimate]:
+    """The estimate of each method with the settings DocTune would pick for `corpus`."""
+    if profile is None and load:
+        profile = load_profile()
+    return {
+        m: estimate(corpus, default_params(corpus.n_words, corpus.n_qa, m), profile)
+        for m in METHODS
+    }

@@ -1,0 +1,139 @@
+"""The estimate next to the Train button, from the machine profile the worker writes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from app.db import session_scope
+from app.services import planner
+from app.services.projects import Corpus
+from app.settings import settings
+
+from .factories import htmx, make_document, make_project
+
+# As worker/machine_profile.py writes it: LoRA fits in memory, full fine-tuning streams.
+PROFILE = {
+    "format": 1,
+    "measured_at": "2025-01-01T00:00:00+00:00",
+    "base_model": "embedded",
+    "budget_bytes": 2 << 30,
+    "disk": {"read_gbps": 1.5, "write_gbps": 1.0, "o_direct": True, "bytes": 256 << 20},
+    "cpu": {"matmul_flops": 2e11, "compute_efficiency": 0.5},
+    "reference": {"batch_size": 4, "seq_len": 256},
+    "methods": {
+        "lora": {
+            "fits_in_memory": True, "fits": True, "compute_s_per_step": 2.0,
+            "io_s_per_step": 0.0, "min_budget_bytes": 1 << 30,
+        },
+        "full": {
+            "fits_in_memory": False, "fits": True, "compute_s_per_step": 3.0,
+            "io_s_per_step": 20.0, "min_budget_bytes": 1 << 30,
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.fixture
+def profile_file(env):
+    path = settings.machine_profile_path
+    path.write_text(json.dumps(PROFILE | {"base_model": settings.base_model}))
+    yield path
+    path.unlink(missing_ok=True)
+
+
+def test_steps_and_time_follow_the_corpus():
+    corpus = Corpus(n_words=10_000, n_qa=0)  # 3 epochs by default at this size
+    est = planner.estimates_for(corpus, PROFILE, load=False)
+    examples = math.ceil(10_000 * 1.4 / 256)  # 55 chunks of 256 tokens
+    steps = 3 * math.ceil(examples / 4)
+    assert est["lora"].steps == est["full"].steps == steps == 42
+    # LoRA fits: the time is compute, at the reference batch (4 x 256 tokens).
+    assert est["lora"].seconds == pytest.approx(steps * 2.0)
+    assert est["lora"].text == "Fits in memory: about 1 min" and est["lora"].streams is False
+    # Full streams: a step takes at least the disk time.
+    assert est["full"].seconds == pytest.approx(steps * 20.0)
+    assert est["full"].text == "Streams from the SSD: about 14 min" and est["full"].streams
+
+    bigger = planner.estimates_for(Corpus(n_words=200_000), PROFILE, load=False)
+    assert bigger["full"].seconds > 10 * est["full"].seconds
+    assert "h" in bigger["full"].text
+
+
+def test_short_qa_batches_cost_less_compute_than_full_chunks():
+    params = {"method": "lora", "epochs": 1, "max_seq_len": 256}
+    text = planner.estimate(Corpus(n_words=365), params, PROFILE)  # 2 chunks: one step
+    qa = planner.estimate(Corpus(n_qa=4), params, PROFILE)  # 4 pairs: one step
+    assert text.steps == qa.steps == 1
+    assert qa.seconds == pytest.approx(2.0 * 60 / 256)
+    assert text.seconds == pytest.approx(2.0)
+
+
+def test_without_a_profile_or_a_fitting_budget():
+    corpus = Corpus(n_words=1000)
+    assert planner.estimates_for(corpus, None, load=False)["lora"].text == planner.ESTIMATING
+    too_big = json.loads(json.dumps(PROFILE))
+    too_big["methods"]["full"]["fits"] = False
+    too_big["methods"]["full"]["min_budget_bytes"] = 5 << 30
+    full = planner.estimates_for(corpus, too_big, load=False)["full"]
+    assert full.seconds is None
+    assert full.text == (
+        "Too large for this machine: needs about 5.0 GB of memory, DocTune may use 2.0 GB."
+    )
+
+
+def test_unreadable_or_old_profiles_count_as_missing(env):
+    path = settings.machine_profile_path
+    try:
+        assert planner.load_profile() is None
+        path.write_text("{not json")
+        assert planner.load_profile() is None
+        current = PROFILE | {"base_model": settings.base_model}
+        path.write_text(json.dumps(current | {"format": 99}))
+        assert planner.load_profile() is None
+        path.write_text(json.dumps(current | {"base_model": "some/other-model"}))
+        assert planner.load_profile() is None
+        path.write_text(json.dumps(current))
+        assert planner.load_profile() == current
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _project_with_text() -> int:
+    with session_scope() as session:
+        project = make_project(session)
+        make_document(session, project, word_count=10_000)
+        return project.id
+
+
+def test_train_panel_says_estimating_and_polls_until_the_profile_exists(client):
+    project_id = _project_with_text()
+    page = client.get(f"/projects/{project_id}").text
+    assert (
+        "Estimating this machine&#39;s speed…" in page or "Estimating this machine's speed…" in page
+    )
+    assert 'id="train-plan"' in page and 'hx-trigger="load delay:5s"' in page
+
+    fragment = client.get(f"/projects/{project_id}", headers=htmx("train-plan")).text
+    assert fragment.lstrip().startswith('<div id="train-plan"')
+    assert "Add documents" not in fragment and "<html" not in fragment
+
+
+def test_train_panel_shows_both_methods_once_measured(client, profile_file):
+    project_id = _project_with_text()
+    page = client.get(f"/projects/{project_id}").text
+    assert "Training time on this machine" in page
+    assert "Fits in memory: about 1 min" in page
+    assert "Streams from the SSD: about 14 min" in page
+    plan = page[page.index('id="train-plan"') : page.index("</dl>", page.index('id="train-plan"'))]
+    assert "hx-trigger" not in plan  # measured: no more polling
+    assert '<div class="chosen"><dt>LoRA</dt>' in plan
+
+
+def test_no_estimate_while_training_cannot_start(client, profile_file):
+    with session_scope() as session:
+        project_id = make_project(session).id
+    page = client.get(f"/projects/{project_id}").text
+    assert 'id="train-plan"' not in page

@@ -1,0 +1,158 @@
+"""The score card with everything the worker measures: questions in chat, completions,
+the forgetting check, side by side, the user's own questions, and the verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.db import session_scope
+from app.models import JobState
+from app.services.jobs import score_card, score_summary
+
+from .factories import make_job, make_project
+
+
+def full_scores(
+    n: int = 10,
+    before_hits: int = 0,
+    after_hits: int = 8,
+    general: tuple[float, float] = (20.0, 21.0),
+    qa: bool = True,
+) -> dict[str, Any]:
+    """Scores as worker.evaluate writes them (one dict per side, plus dataset notes)."""
+
+    def side(hits: int, tuned: bool) -> dict[str, Any]:
+        items = [
+            {
+                "question": f"How long is the warranty on model X{i}?",
+                "answer": f"{20 + i} months",
+                "output": f"It is {20 + i} months." if i < hits else "I am not sure.",
+                "hit": i < hits,
+                "source": "manual.pdf",
+                "sentence": f"Model X{i} has a warranty of {20 + i} months.",
+                "template": "fronted",
+            }
+            for i in range(n)
+        ]
+        return {
+            "probe_set": "abc123",
+            "perplexity": 12.0 if tuned else 40.0,
+            "n_heldout_chunks": 3,
+            "recall": (hits // 2) / n if n else None,
+            "n_probes": n,
+            "n_recalled": hits // 2,
+            "probes": [
+                {
+                    "prompt": f"Model X{i} has a warranty of",
+                    "answer": f"{20 + i} months",
+                    "output": "?",
+                    "hit": i < hits // 2,
+                    "source": "manual.pdf",
+                }
+                for i in range(n)
+            ],
+            "questions": {
+                "n": n,
+                "n_recalled": hits,
+                "recall": hits / n if n else None,
+                "items": items,
+            },
+            "general": {"perplexity": general[1] if tuned else general[0], "n_paragraphs": 6},
+            "qa": {
+                "n": 2 if qa else 0,
+                "f1": 0.6 if tuned else 0.1,
+                "exact": 0.5 if tuned else 0.0,
+                "items": [
+                    {
+                        "question": "Can I return an item?",
+                        "answer": "Yes, within 45 days.",
+                        "output": "Yes, within 45 days." if tuned else "No.",
+                        "f1": 1.0 if tuned else 0.0,
+                        "contains": tuned,
+                    },
+                    {
+                        "question": "Where is it made?",
+                        "answer": "In Port Ellery.",
+                        "output": "Somewhere.",
+                        "f1": 0.0,
+                        "contains": False,
+                    },
+                ]
+                if qa
+                else [],
+            },
+        }
+
+    return {
+        "before": side(before_hits, False),
+        "after": side(after_hits, True),
+        "dataset": {"notes": ["10 recall probes from 1 document(s)."]},
+    }
+
+
+PARAMS = {"method": "lora", "epochs": 8, "learning_rate": 2e-4}
+
+
+def test_headline_is_the_questions_and_side_by_side_has_five():
+    card = score_card(full_scores(), params=PARAMS)
+    assert card.recall_kind == "questions"
+    assert (card.recall_before.n_recalled, card.recall_after.n_recalled) == (0, 8)
+    assert (card.completion_before.n_recalled, card.completion_after.n_recalled) == (0, 4)
+    assert len(card.side_by_side) == 5
+    first = card.side_by_side[0]
+    assert first.tuned_hit and not first.base_hit  # learned facts first
+    assert first.sentence == "Model X0 has a warranty of 20 months."
+    assert first.prompt == "How long is the warranty on model X0?"
+    assert card.general_before == 20.0 and not card.forgetting
+    assert card.verdict.headline == "Learned 8 of 10 facts (was 0). Safe to use."
+    assert [r.question for r in card.qa_rows] == ["Can I return an item?", "Where is it made?"]
+    assert card.qa_rows[0].tuned_hit and not card.qa_rows[0].base_hit
+    assert score_summary(full_scores()) == "Recall 0% → 80%"
+
+
+def test_forgetting_is_flagged():
+    card = score_card(full_scores(general=(20.0, 30.0)), params=PARAMS)
+    assert card.forgetting and card.general_rise == 0.5
+    assert card.verdict.level == "forgetting"
+
+
+def _page(client, scores) -> str:
+    with session_scope() as session:
+        project = make_project(session, "Score card")
+        job = make_job(session, project, JobState.done, scores=scores)
+        job_id = job.id
+    page = client.get(f"/jobs/{job_id}")
+    assert page.status_code == 200
+    return page.text
+
+
+def test_job_page_shows_verdict_side_by_side_and_forgetting_check(client):
+    text = _page(client, full_scores(general=(20.0, 30.0)))
+    for expected in (
+        (
+            "Learned 8 of 10 facts (was 0), but the model got worse at general English; "
+            "try fewer epochs."
+        ),
+        "What to try next:",
+        "for example 4 instead of 8",
+        "Forgetting check",
+        "The model got worse at general English</strong> (+50%)",
+        "Side by side: 5 of the 10 questions",
+        "How long is the warranty on model X0?",
+        "Model X0 has a warranty of 20 months.",
+        "It is 20 months.",
+        "Completing the sentences themselves: 0 → 4 of 10.",
+        "Your own questions, before and after (2 of 2)",
+        "Can I return an item?",
+        "How the verdict was reached",
+    ):
+        assert expected in text, expected
+    assert text.count('class="source-sentence"') == 5
+
+
+def test_a_job_without_facts_says_why_recall_was_not_measured(client):
+    scores = full_scores(n=0, before_hits=0, after_hits=0, qa=False)
+    text = _page(client, scores)
+    assert "No facts to check: recall could not be measured." in text
+    assert "no sentence in your documents states a distinctive fact" in text
+    assert "Side by side" not in text

@@ -1,0 +1,1 @@
+"""Measurements that choose DocTune's defaults (run by hand; they print figures)."""
