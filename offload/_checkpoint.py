@@ -240,7 +240,8 @@ def save(engine: OffloadEngine, directory: str, extra: dict) -> None:
             created.append(path)
             files[kind] = {"name": name, "bytes": f.nbytes}
             if rename:
-                store.hand_over(kind, path, successors.pop(kind))
+                store.hand_over(kind, path, successors[kind])
+                del successors[kind]
             else:
                 _copy_out(engine, kind, path)
 

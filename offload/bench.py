@@ -10,7 +10,9 @@ Sections, in one run (--only picks some; --skip-headline drops the long one):
               against the engine with the frozen base streamed from model.safetensors.
   full        full fine-tune of the same model: in memory against the engine with every
               block streamed (weights, Adam m and v, spilled gradients in the swap).
-  checkpoint  save_checkpoint and load_checkpoint of that full fine-tune's state.
+  checkpoint  save_checkpoint and load_checkpoint of that full fine-tune's state (on the
+              swap's filesystem: the swap files are renamed into the checkpoint), and the
+              copy a save makes to another filesystem.
   headline    a ~2B-parameter Llama-shaped model built from a config on the meta device
               and created block by block in the swap (random weights, never whole in
               memory), fully fine-tuned (AdamW, fp32) under a 4 GiB budget for a few
