@@ -171,6 +171,8 @@ def _resident_entries(engine: OffloadEngine) -> list[tuple[str, str, torch.Tenso
             if what in state:
                 out.append((name, what, state[what]))
     out.append(("torch", "rng", torch.get_rng_state()))
+    if engine.device.type == "cuda":  # dropout on the GPU draws from the GPU's generator
+        out.append(("torch", "cuda_rng", torch.cuda.get_rng_state(engine.device)))
     return out
 
 
@@ -266,8 +268,8 @@ def save(engine: OffloadEngine, directory: str, extra: dict) -> None:
 
         def write_resident(fd: int) -> None:
             for _, _, t in tensors:
-                if t.numel():
-                    _write_all(fd, byte_view(t.detach().contiguous()))
+                if t.numel():  # .cpu(): on the CUDA path resident tensors are on the GPU
+                    _write_all(fd, byte_view(t.detach().cpu().contiguous()))
 
         _write_file(rpath, write_resident)
         files["resident"] = {"name": rname, "bytes": off}
@@ -350,11 +352,13 @@ def load(engine: OffloadEngine, directory: str) -> dict:
                 raise OffloadError(f"{fh.name} ends early: the checkpoint is damaged")
             if e["what"] == "rng":
                 torch.set_rng_state(t)
+            elif e["what"] == "cuda_rng":
+                torch.cuda.set_rng_state(t, engine.device)
             elif e["what"] == "param":
                 by_name[e["name"]].data.copy_(t)
             else:
                 p = by_name[e["name"]]
-                opt.state.setdefault(p, {})[e["what"]] = t
+                opt.state.setdefault(p, {})[e["what"]] = t.to(p.device)
     steps = manifest["steps"]
     if opt is not None:
         for n, p in engine._resident_trainable:

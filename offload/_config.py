@@ -37,6 +37,16 @@ class OffloadConfig:
         step's other activations (an estimate that errs high), keep the graphs from the
         forward to the backward instead of recomputing each block: one forward of the
         blocks less per step, same bits. False: always recompute (least memory).
+    malloc_mmap_threshold: on Linux with glibc, when the budget cannot hold every region (the
+        engine streams), it sets malloc's mmap threshold to this many bytes (mallopt;
+        process-wide), so freed tensors return to the system instead of fragmenting the heap
+        (see _malloc.py). Not when everything fits: it costs speed. None: leave it alone.
+    device: where blocks compute: "cpu" or "cuda[:n]"; None = the device of the model's
+        resident parameters (those outside the blocks). With CUDA, budget_bytes is GPU
+        memory (resident group, block weight copies, one block's gradients, activations)
+        and the page pool lives in pinned host memory sized by host_budget_bytes.
+    host_budget_bytes: with CUDA, host memory for the pinned page pool, one block's
+        gradients and the host AdamW's scratch; None = budget_bytes. Unused on the CPU.
     """
 
     budget_bytes: int
@@ -48,10 +58,19 @@ class OffloadConfig:
     chunk_bytes: int = 1 << 20
     keep_swap: bool = False
     keep_graphs: bool = True
+    malloc_mmap_threshold: int | None = 64 << 10
+    device: str | None = None
+    host_budget_bytes: int | None = None
 
     def __post_init__(self):
         if self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
+        if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:
+            raise ValueError("host_budget_bytes must be positive")
+        if self.malloc_mmap_threshold is not None and self.malloc_mmap_threshold < 0:
+            raise ValueError("malloc_mmap_threshold must be >= 0 (or None)")
+        if self.device is not None:
+            self.device = str(self.device)
         if self.prefetch < 0 or self.io_threads < 1:
             raise ValueError("prefetch must be >= 0 and io_threads >= 1")
         if self.o_direct not in ("auto", True, False):

@@ -8,8 +8,8 @@ runs the block through `StreamedBlock`:
   without building a graph, its weights are paged out; only the block's input is kept
   (activation checkpointing, as torch.utils.checkpoint's reentrant variant).
 - backward: the engine pages the block in again, recomputes it from the kept input with
-  the CPU RNG state it had in the forward (so dropout draws the same masks), takes the
-  gradients of the block's parameters and input, and hands the parameter gradients to
+  the RNG states it had in the forward (CPU, and GPU on CUDA: dropout draws the same
+  masks), takes the gradients of the block's input and parameters, and hands the latter to
   the optimizer at once: the block is stepped (or its gradients spilled, when clipping)
   and paged out before the next block's backward starts.
 - when every block's autograd graph fits the budget's activation share (the engine's
@@ -40,7 +40,7 @@ class StreamedBlock(torch.autograd.Function):
         ctx.engine, ctx.index, ctx.fn, ctx.args, ctx.kwargs = engine, index, fn, args, kwargs
         ctx.graph = None
         keep = engine._keep_graphs
-        ctx.rng = None if keep else torch.get_rng_state()
+        ctx.rng = None if keep else engine._rng_state()  # the CPU's (and GPU's) generators
         engine._forward_enter(index)
         try:
             if keep:

@@ -51,12 +51,12 @@ def _pack(named: list[tuple[str, torch.nn.Parameter]]) -> tuple[list[Slot], int]
 _placeholders: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def placeholder(p: torch.Tensor) -> torch.Tensor:
-    key = (p.dtype, p.device)
+def placeholder(p: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    key = (p.dtype, device if device is not None else p.device)
     base = _placeholders.get(key)
     if base is None:
         fill = float("nan") if p.dtype.is_floating_point else 0
-        base = torch.full((1,), fill, dtype=p.dtype, device=p.device)
+        base = torch.full((1,), fill, dtype=p.dtype, device=key[1])
         _placeholders[key] = base
     return base.expand(p.shape)
 
@@ -76,6 +76,9 @@ class BlockLayout:
         self.region_bytes = {WEIGHT: wbytes, EXP_AVG: sbytes, EXP_AVG_SQ: sbytes, GRAD: sbytes}
         self.trainable = [p for _, p in trainable]
         self.trainable_names = [n for n, _ in trainable]
+        # Where an unbound parameter's placeholder lives (None: where the parameter is);
+        # the CUDA path binds blocks on the GPU and, for their steps, on the host.
+        self.home: torch.device | None = None
 
     def bind(self, page: torch.Tensor) -> None:
         for s in self.weight_slots:
@@ -83,7 +86,7 @@ class BlockLayout:
 
     def unbind(self) -> None:
         for s in self.weight_slots:
-            s.param.data = placeholder(s.param)
+            s.param.data = placeholder(s.param, self.home)
 
     def fill(self, page: torch.Tensor, skip: set[int] | frozenset = frozenset()) -> None:
         """Copy the parameters' current values into a weights page (engine start-up),

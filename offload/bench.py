@@ -587,6 +587,7 @@ def headline(args) -> dict:
         * args.headline_seq
         / statistics.mean(d["s"] for d in timed),
         peak_rss_bytes=_status("VmHWM"),
+        malloc_mmap_threshold=t.get("malloc_mmap_threshold"),
         training_rss_bytes=_status("VmHWM") - out["baseline_rss_bytes"],
         peak_bytes_accounted=t["peak_bytes"],
         pool_bytes=t["pool_bytes"],
@@ -614,10 +615,9 @@ def run_headline_child(args, root: str) -> dict:
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     os.makedirs(os.path.join(root, "headline"), exist_ok=True)
-    # A fixed mmap threshold (as tests/offload/test_memory.py runs): freed tensors go back
-    # to the system, so the resident set tracks live memory instead of glibc's free lists.
-    env = dict(os.environ)
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    # No MALLOC_MMAP_THRESHOLD_ from outside: the engine fixes glibc's mmap threshold itself
+    # when it streams (offload/_malloc.py), and this run shows that is enough.
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         lines = proc.stdout.read().splitlines()
@@ -629,7 +629,6 @@ def run_headline_child(args, root: str) -> dict:
     if rc != 0 or not lines:
         return {"failed": f"the headline process exited with status {rc}"}
     out = json.loads(lines[-1])
-    out["malloc_mmap_threshold"] = env["MALLOC_MMAP_THRESHOLD_"]
     return out
 
 
@@ -756,8 +755,8 @@ def report(r: dict) -> None:
             print(
                 f"  engine, budget {h['budget_bytes'] / 2**30:.1f} GiB, batch {h['batch']} x "
                 f"{h['seq']}: {h['s_per_step']:.0f} s/step ({h['tokens_per_s']:.1f} tokens/s), "
-                f"peak RSS {h['peak_rss_bytes'] / 2**30:.2f} GiB (MALLOC_MMAP_THRESHOLD_="
-                f"{h.get('malloc_mmap_threshold', '-')}) = "
+                f"peak RSS {h['peak_rss_bytes'] / 2**30:.2f} GiB (engine's malloc mmap threshold "
+                f"{h.get('malloc_mmap_threshold') or 'not set'}) = "
                 f"{h['baseline_rss_bytes'] / 2**30:.2f} GiB interpreter with torch and "
                 f"transformers + {h['training_rss_bytes'] / 2**30:.2f} GiB training (engine-"
                 f"accounted {h['peak_bytes_accounted'] / 2**30:.2f} GiB), swap "

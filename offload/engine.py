@@ -31,10 +31,16 @@ with its gradients and Adam state, one block's gradients, AdamW's scratch tensor
 the step's activations (an estimate from the model config; a batch that would not fit
 is refused before it starts). Prefetch and write-behind happen inside the pool; when
 the pool can hold every region, nothing is read twice or written before a checkpoint.
+
+CUDA (OffloadConfig.device, default: where the resident parameters are): the resident
+group moves to the GPU, blocks compute there from two device copies filled on a copy
+stream, and the pool, the block steps and everything on the swap's side stay on the host
+as above; the budget is then GPU memory and host_budget_bytes sizes the pool (_device.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -45,6 +51,15 @@ import torch
 
 from . import _checkpoint
 from ._config import AdamWConfig, OffloadConfig
+from ._device import (
+    DeviceCopies,
+    DevicePlan,
+    plan_device_memory,
+    replay_rng,
+    resolve_device,
+    rng_state,
+    streams_to_device,
+)
 from ._hooks import patch_block, unpatch_block
 from ._io import (
     BufferPool,
@@ -52,10 +67,12 @@ from ._io import (
     IOStats,
     OffloadError,
     SwapStore,
+    aligned_empty,
     byte_view,
     probe_o_direct,
 )
 from ._layout import EXP_AVG, EXP_AVG_SQ, GRAD, WEIGHT, BlockLayout
+from ._malloc import fix_mmap_threshold
 from ._optim import make_adamw, norm_order, step_tensor_factory, tensor_norms, total_norm
 from ._pager import Key, Pager
 from ._plan import activation_bytes, graph_bytes
@@ -147,6 +164,7 @@ class OffloadEngine:
             config if isinstance(config, OffloadConfig) else OffloadConfig.from_dict(dict(config))
         )
         self.optim = AdamWConfig.coerce(optimizer_config)
+        self.malloc_mmap_threshold: int | None = None  # set below when the engine streams
         self.model = model
         self._blocks = list(blocks) if blocks is not None else find_blocks(model)
         self._meta_params = _unmeta_blocks(self._blocks) if init_weights is not None else set()
@@ -159,8 +177,13 @@ class OffloadEngine:
         self._micro, self._final = 0, True
 
         named = list(model.named_parameters())
-        if any(p.device.type != "cpu" for _, p in named):
-            raise NotImplementedError("this version of the engine trains on the CPU only")
+        in_blocks = {id(p) for b in self._blocks for p in b.parameters()}
+        self.device = resolve_device(
+            self.config.device, [p for _, p in named if id(p) not in in_blocks]
+        )
+        self._cuda = streams_to_device(self.device)
+        self._dev: DeviceCopies | None = None  # the CUDA path's transfers (_device.py)
+        self.device_plan: DevicePlan | None = None
         self._named = named
         name_of = {id(p): n for n, p in named}
         frozen_in_blocks = any(not p.requires_grad for b in self._blocks for p in b.parameters())
@@ -187,6 +210,15 @@ class OffloadEngine:
             )
         self._resident = [(n, p) for n, p in named if id(p) not in streamed_ids]
         self._resident_trainable = [(n, p) for n, p in self._resident if p.requires_grad]
+        if self._cuda:  # the resident group and every buffer live on the GPU
+            for _, p in self._resident:
+                p.data = p.data.to(self.device)
+            for mod in model.modules():
+                for k, b in mod._buffers.items():
+                    if b is not None and b.device != self.device:
+                        mod._buffers[k] = b.to(self.device)
+            for layout in self._layouts:
+                layout.home = self.device
         self._trainable_all = [p for _, p in named if p.requires_grad]
         self._norm_order = norm_order(self._trainable_all)
 
@@ -226,7 +258,18 @@ class OffloadEngine:
         )
         fixed = self.resident_bytes + self.block_grad_bytes + self.scratch_bytes
         avail = budget - fixed - act_reserve
+        if self._cuda:  # budget: GPU memory; the pool lives in host memory (_device.py)
+            self.device_plan = self._plan_cuda(budget, act_reserve, res_train)
+            fixed, avail = self.device_plan.device_fixed, self.device_plan.pool_room
         affordable = avail // page_bytes if page_bytes else 0
+        if affordable < self._reserve and self._cuda:
+            plan = self.device_plan
+            raise OffloadBudgetError(
+                f"host budget {(plan.pool_room + plan.host_fixed) / 2**20:.1f} MiB is too "
+                f"small: the pinned page pool needs {self._reserve} buffers of "
+                f"{page_bytes / 2**20:.1f} MiB besides {plan.host_fixed / 2**20:.1f} MiB "
+                "(one block's gradients, optimizer scratch); raise host_budget_bytes"
+            )
         if affordable < self._reserve:
             need = fixed + act_reserve + self._reserve * page_bytes
             raise OffloadBudgetError(
@@ -243,6 +286,12 @@ class OffloadEngine:
         else:
             n_pages = min(affordable, self._reserve * (2 + self.config.prefetch))
             self.streaming = True
+            # Memory is what limits this run: before the pool and the steps allocate, make
+            # freed tensors go back to the system (_malloc.py). Not when everything fits:
+            # the fixed threshold costs speed (fresh pages for every large tensor).
+            threshold = self.config.malloc_mmap_threshold
+            if threshold is not None and fix_mmap_threshold(threshold):
+                self.malloc_mmap_threshold = threshold
         self._prefetch_pages = self.config.prefetch * self._reserve
         self._schedule: list[tuple[Key, bool]] = []
         self._sched_pos = 0
@@ -262,13 +311,16 @@ class OffloadEngine:
             for i, extents in from_files.items():
                 self._store.map_external(i, WEIGHT, extents, "model weights file")
             self._pool = BufferPool(n_pages, page_bytes)
+            if self._cuda:
+                self._setup_cuda()
             self._stats = IOStats()
             self._io = IOExecutor(self.config.io_threads, self.config.chunk_bytes, self._stats)
             self._pager = Pager(
                 self._store, self._pool, self._io, self._reserve, write_behind=self.streaming
             )
             self.pool_bytes = self._pool.nbytes
-            self._owned_bytes = self.pool_bytes + fixed
+            # What the budget holds besides activations (on CUDA the pool is host memory).
+            self._owned_bytes = fixed if self._cuda else self.pool_bytes + fixed
             self._act_budget = budget - self._owned_bytes
             self.peak_bytes = self._owned_bytes
             self._last_act_est: int | None = None
@@ -307,7 +359,10 @@ class OffloadEngine:
             self._shutdown_io(remove=True)
             raise
 
-        self._anchor = torch.zeros((), requires_grad=True)  # puts every block in the graph
+        if self._cuda:  # blocks' parameters now read as GPU placeholders, as in plain torch
+            self._norm_order = norm_order(self._trainable_all)
+        # Puts every block in the graph.
+        self._anchor = torch.zeros((), requires_grad=True, device=self.device)
         self._pinned: dict[Key, Any] = {}
         for i, block in enumerate(self._blocks):
             patch_block(self, i, block)
@@ -341,6 +396,7 @@ class OffloadEngine:
         `labels`. The batch is split into `micro_batches` slices of ceil(n / micro_batches)
         rows, as worker/engine.py's InMemoryEngine splits it."""
         self._check_usable()
+        batch = self._to_device(batch)
         n = int(batch["input_ids"].shape[0])
         size = math.ceil(n / max(1, micro_batches))
         micros = [{k: v[s : s + size] for k, v in batch.items()} for s in range(0, n, size)]
@@ -386,6 +442,7 @@ class OffloadEngine:
     ) -> float:
         """Loss of `batch` without training (blocks stream as in the forward)."""
         self._check_usable()
+        batch = self._to_device(batch)
         ids = batch["input_ids"]
         self._check_activations(int(ids.shape[0]), int(ids.shape[-1]), training=False)
         self._start_schedule(training=False)
@@ -394,12 +451,15 @@ class OffloadEngine:
         return float(self.model(**batch, use_cache=False).loss)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state_dict with real values for the streamed parameters (copies).
+        """The model's state_dict with real values for the streamed parameters (copies, on
+        the host; on the CPU path resident tensors are copied where they are).
 
         Needs memory for the whole model: it is the export path, not a training one."""
         self._check_usable()
         self._schedule = []
         self._pager.cancel_prefetches()
+        if self._dev is not None:
+            self._settle_device()
         values: dict[int, torch.Tensor] = {}
         for layout in self._layouts:
             page = self._pager.get((layout.index, WEIGHT))
@@ -410,7 +470,10 @@ class OffloadEngine:
                 self._pager.release(page)
         out = {}
         for k, t in self.model.state_dict(keep_vars=True).items():
-            out[k] = values[id(t)] if id(t) in values else t.detach().clone()
+            if id(t) in values:
+                out[k] = values[id(t)]
+            else:  # on CUDA, host copies of the resident group too
+                out[k] = t.detach().clone() if self._dev is None else t.detach().cpu()
         return out
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
@@ -433,6 +496,7 @@ class OffloadEngine:
         d: dict[str, Any] = {
             "steps": self.step_count,
             "mode": self.mode,
+            "device": str(self.device),
             "streaming": self.streaming,
             "o_direct": self.o_direct,
             "budget_bytes": self.config.budget_bytes,
@@ -446,6 +510,7 @@ class OffloadEngine:
             "kept_graphs": self.kept_graphs,
             "peak_bytes": self.peak_bytes,
             "peak_rss_bytes": _peak_rss_bytes(),
+            "malloc_mmap_threshold": self.malloc_mmap_threshold,
             "swap_bytes": self._store.nbytes,
             "blocks_read_from_weights_files": len(self._store.external),
             "step_s": self._step_time_s,
@@ -453,6 +518,9 @@ class OffloadEngine:
         }
         d.update(self._stats.snapshot())
         d.update(self._pager.snapshot())
+        if self._dev is not None:
+            d["host_budget_bytes"] = self.device_plan.pool_room + self.device_plan.host_fixed
+            d.update(self._dev.snapshot())
         return d
 
     def close(self, restore_weights: bool = False) -> None:
@@ -464,7 +532,7 @@ class OffloadEngine:
             state = self.model_state_dict()
             for n, p in self._named:
                 if any(p is s.param for layout in self._layouts for s in layout.weight_slots):
-                    p.data = state[n]
+                    p.data = state[n].to(self.device)
         for block in self._blocks:
             unpatch_block(block)
         self._shutdown_io(remove=not self.config.keep_swap)
@@ -488,26 +556,41 @@ class OffloadEngine:
     def _forward_enter(self, i: int) -> None:
         if not self._schedule:  # a no-grad call from outside step()/evaluate()
             self._start_schedule(training=False)
+        if self._dev is not None:
+            self._bind_on_device(i, keep_host=False)
+            return
         page = self._demand((i, WEIGHT))
         self._layouts[i].bind(page.tensor)
         self._pinned[(i, WEIGHT)] = page
 
     def _forward_exit(self, i: int) -> None:
         self._layouts[i].unbind()
-        self._pager.release(self._pinned.pop((i, WEIGHT)))
+        if self._dev is not None:
+            self._dev.release(i)
+            if i + 1 < len(self._layouts):
+                self._load_to_device(i + 1)  # copied while the GPU computes block i
+        else:
+            self._pager.release(self._pinned.pop((i, WEIGHT)))
         if i == len(self._layouts) - 1 and not self._in_step:
             self._schedule = []
 
     def _page_refs(self, i: int):
         """saved_tensors_hooks for block i's kept graph: a saved tensor inside the pool
         (block i's weights, bound in its page) is stored as its place in that page and
-        rebuilt from whichever page holds block i's weights when the backward runs."""
-        pool = self._pool.storage.untyped_storage().data_ptr()
+        rebuilt from whichever page holds block i's weights when the backward runs. On
+        CUDA the same holds for the device slots block i's weights are bound in."""
+        arena = self._pool.storage if self._dev is None else self._dev.arena
+        pool = arena.untyped_storage().data_ptr()
+
+        def bound() -> torch.Tensor:  # the buffer holding block i's weights just now
+            if self._dev is not None:
+                return self._dev.slot_of(i)
+            return self._pinned[(i, WEIGHT)].tensor
 
         def pack(t: torch.Tensor):
-            if t.device.type != "cpu" or t.untyped_storage().data_ptr() != pool:
+            if t.device != arena.device or t.untyped_storage().data_ptr() != pool:
                 return t
-            page = self._pinned[(i, WEIGHT)].tensor
+            page = bound()
             off = t.data_ptr() - page.data_ptr()
             if not 0 <= off < page.numel():
                 raise OffloadError(f"block {i} saved a tensor of another block's page")
@@ -517,7 +600,7 @@ class OffloadEngine:
             if not (isinstance(v, tuple) and v and v[0] is _PAGE_REF):
                 return v
             _, off, shape, stride, dtype = v
-            flat = self._pinned[(i, WEIGHT)].tensor.view(dtype)
+            flat = bound().view(dtype)
             return flat.as_strided(shape, stride, flat.storage_offset() + off)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
@@ -525,18 +608,20 @@ class OffloadEngine:
     def _backward_block(self, i, fn, hidden, args, kwargs, rng, grad_out, need_x, graph=None):
         """Block i's gradients: from its kept graph (x, out), or by recomputing it."""
         layout = self._layouts[i]
-        w = self._demand((i, WEIGHT))
-        layout.bind(w.tensor)
-        self._pinned[(i, WEIGHT)] = w
         streamed = layout.trainable
+        if self._dev is not None:  # its host page stays pinned when the block is stepped
+            self._bind_on_device(i, keep_host=bool(streamed))
+        else:
+            w = self._demand((i, WEIGHT))
+            layout.bind(w.tensor)
+            self._pinned[(i, WEIGHT)] = w
         resident = self._block_resident[i]
         if graph is not None:
             x, out = graph
             del graph
         else:
             x = hidden.detach().requires_grad_(need_x)
-            with torch.enable_grad(), torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(rng)
+            with torch.enable_grad(), replay_rng(rng, self.device):
                 out = fn(x, *args, **kwargs)
         inputs = ([x] if need_x else []) + streamed + resident
         grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True) if inputs else ()
@@ -548,12 +633,97 @@ class OffloadEngine:
             if g is not None:  # as AccumulateGrad would: set, or add when already there
                 p.grad = g if p.grad is None else p.grad + g
         del grads
+        if self._dev is not None:
+            self._dev.release(i)
+            if streamed:
+                block_grads = self._grads_to_host(i, block_grads)
         if streamed:
             self._block_grads_ready(i, block_grads)
         else:
             layout.unbind()
-            self._pager.release(self._pinned.pop((i, WEIGHT)))
+            if self._dev is None:
+                self._pager.release(self._pinned.pop((i, WEIGHT)))
+        if self._dev is not None and i > 0:
+            self._load_to_device(i - 1)  # copied while the GPU finishes block i
         return grad_x
+
+    # -- the CUDA path (see _device.py) ------------------------------------------------------
+
+    def _plan_cuda(self, budget: int, act_reserve: int, res_train: int) -> DevicePlan:
+        plan = plan_device_memory(
+            budget,
+            self.config.host_budget_bytes or budget,
+            resident_bytes=self.resident_bytes,
+            resident_trainable_bytes=res_train,
+            block_grad_bytes=self.block_grad_bytes,
+            staging_bytes=self._staging_bytes(),
+            host_scratch_bytes=self.scratch_bytes,
+            slot_bytes=max((layout.region_bytes[WEIGHT] for layout in self._layouts), default=0),
+        )
+        if plan.activations < act_reserve:
+            raise OffloadBudgetError(
+                f"GPU budget {budget / 2**20:.1f} MiB is too small: the engine needs at least "
+                f"{(plan.device_fixed + act_reserve) / 2**20:.1f} MiB on {self.device} "
+                f"(resident parameters and their state {self.resident_bytes / 2**20:.1f} "
+                f"MiB, {plan.slots} copies of a block's weights of "
+                f"{plan.slot_bytes / 2**20:.1f} MiB, one block's gradients "
+                f"{self.block_grad_bytes / 2**20:.1f} MiB, optimizer scratch "
+                f"{2 * res_train / 2**20:.1f} MiB, activations {act_reserve / 2**20:.1f} MiB)"
+            )
+        return plan
+
+    def _staging_bytes(self) -> int:
+        return max((layout.region_bytes[GRAD] for layout in self._layouts), default=0)
+
+    def _setup_cuda(self) -> None:
+        """GPU slots and copy stream; the pool and a gradient staging buffer page-locked."""
+        plan = self.device_plan
+        assert plan is not None
+        self._dev = DeviceCopies(self.device, plan.slots, plan.slot_bytes)
+        self._dev.pin(self._pool.storage)
+        self._staging = aligned_empty(self._staging_bytes())
+        self._dev.pin(self._staging)
+
+    def _to_device(self, batch: dict[str, Any]) -> dict[str, Any]:
+        if self._dev is None:
+            return batch
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _rng_state(self) -> Any:
+        return rng_state(self.device)
+
+    def _load_to_device(self, i: int) -> None:
+        """Pin block i's host page (read from the swap if needed), start its copy to the GPU."""
+        key = (i, WEIGHT)
+        if key not in self._pinned:
+            self._pinned[key] = self._demand(key)
+        self._dev.load(i, self._pinned[key].tensor, self._layouts[i].region_bytes[WEIGHT])
+
+    def _bind_on_device(self, i: int, keep_host: bool) -> None:
+        """Bind block i's parameters to its GPU copy. keep_host: its host page stays pinned
+        (the block's step updates it there); otherwise it goes back once copied."""
+        self._load_to_device(i)
+        self._layouts[i].bind(self._dev.acquire(i))
+        if not keep_host:
+            self._dev.wait_copied(i)
+            self._pager.release(self._pinned.pop((i, WEIGHT)))
+
+    def _grads_to_host(self, i: int, grads: list[torch.Tensor | None]) -> list:
+        """Block i's gradients GPU -> pinned staging; the block is bound to its host page
+        again, where AdamW steps it (its GPU copy is stale from then on)."""
+        layout = self._layouts[i]
+        host = self._dev.to_host(grads, layout.state_views(self._staging))
+        self._dev.wait_copied(i)  # (done: the compute stream waited for it)
+        self._dev.invalidate(i)
+        layout.bind(self._pinned[(i, WEIGHT)].tensor)
+        return host
+
+    def _settle_device(self) -> None:
+        """Before a new pass: let queued copies finish, give back host pages held for them,
+        and forget which blocks the GPU holds."""
+        self._dev.reset()
+        for key in [k for k in self._pinned if k[1] == WEIGHT]:
+            self._pager.release(self._pinned.pop(key))
 
     # -- stepping ----------------------------------------------------------------------------
 
@@ -679,6 +849,8 @@ class OffloadEngine:
         """Every region this pass will pin, in order ((key, read) pairs; read False: a
         page the engine fills itself). Prefetch walks ahead of the demands along it."""
         self._pager.cancel_prefetches()
+        if self._dev is not None:
+            self._settle_device()
         n = len(self._layouts)
         sched: list[tuple[Key, bool]] = [((i, WEIGHT), True) for i in range(n)]
         if training:
@@ -751,6 +923,9 @@ class OffloadEngine:
         self._failed = exc
         self._schedule = []
         self._pager.cancel_prefetches()
+        if self._dev is not None:
+            with contextlib.suppress(Exception):  # a broken CUDA context must not hide exc
+                self._dev.reset()  # no copy reads a host page past this point
         for layout in self._layouts:
             layout.unbind()
         for key, page in list(self._pinned.items()):
@@ -777,7 +952,7 @@ class OffloadEngine:
                 data = torch.empty(e.nbytes, dtype=torch.uint8)
                 if os.preadv(src.fds[e.path], [byte_view(data)], e.offset) != e.nbytes:
                     break
-                mine = slot.param.detach().contiguous().reshape(-1).view(torch.uint8)
+                mine = slot.param.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                 if not torch.equal(data, mine):
                     break
                 extents.append((src.fds[e.path], e.offset, slot.offset, slot.nbytes))
@@ -789,6 +964,8 @@ class OffloadEngine:
         io = getattr(self, "_io", None)
         if io is not None:
             io.close()
+        if self._dev is not None:
+            self._dev.close()
         self._store.close(remove=remove)
         if self._source is not None:
             self._source.close()

@@ -14,6 +14,7 @@ class SourceDoc:
     sha256: str  # content hash of the original file
     text: str  # extracted plain text; "" for a pure Q&A file
     qa_pairs: list[tuple[str, str]] = field(default_factory=list)  # (question, answer)
+    version: int = 1  # the document's version in its project (an edited file is a new one)
 
 
 @dataclass

@@ -63,7 +63,8 @@ def model_card(info: dict) -> str:
 
     `info` keys: base_model (display name), base_model_id (what `from_pretrained` should load
     on the user's machine), method, params (dict), documents (list of {name, sha256}),
-    scores ({"before": eval dict, "after": eval dict}), optional title, dataset (stats),
+    scores ({"before": eval dict, "after": eval dict, optionally "previous": the version an
+    incremental job started from}), optional title, dataset (stats),
     notes (list of str).
     """
     from app.services.verdict import verdict
@@ -113,13 +114,14 @@ def model_card(info: dict) -> str:
         "",
         "## Source documents",
         "",
-        "Each document's version is its content hash: the same file gives the same sha256.",
+        "Version: the document's version in its project (an edited file is a new version);",
+        "sha256: its content hash (the same file gives the same hash).",
         "",
-        "| document | sha256 |",
-        "| --- | --- |",
+        "| document | version | sha256 |",
+        "| --- | --- | --- |",
     ]
     for doc in info.get("documents") or []:
-        lines.append(f"| {_cell(doc['name'])} | `{doc['sha256']}` |")
+        lines.append(f"| {_cell(doc['name'])} | {doc.get('version', 1)} | `{doc['sha256']}` |")
     lines += [
         "",
         "## Scores",
@@ -131,37 +133,40 @@ def model_card(info: dict) -> str:
         "out of training (lower is better). Forgetting check: perplexity on a general-English",
         "sample shipped with DocTune.",
         "",
-        "| score | before | after |",
-        "| --- | --- | --- |",
     ]
+    # An incremental job also shows the version it started from, on the same probes.
+    previous = scores.get("previous") or None
+    sides = [before, after] + ([previous] if previous else [])
+    head = "| score | before | after |" + (" previous version |" if previous else "")
+    lines += [head, "| --- | --- | --- |" + (" --- |" if previous else "")]
+
+    def row(label: str, fmt) -> str:
+        return f"| {label} | " + " | ".join(fmt(side) for side in sides) + " |"
+
     if (after.get("questions") or {}).get("n"):
-        lines.append(
-            f"| knowledge recall (questions) | {_questions(before)} | {_questions(after)} |"
-        )
+        lines.append(row("knowledge recall (questions)", _questions))
     lines += [
-        f"| knowledge recall (sentence completions) | {_recall(before)} | {_recall(after)} |",
-        (
-            f"| held-out perplexity | {_fmt(before.get('perplexity'))} "
-            f"| {_fmt(after.get('perplexity'))} |"
-        ),
+        row("knowledge recall (sentence completions)", _recall),
+        row("held-out perplexity", lambda side: _fmt(side.get("perplexity"))),
     ]
-    gen_b, gen_a = before.get("general") or {}, after.get("general") or {}
-    if gen_a.get("perplexity") is not None:
+    if (after.get("general") or {}).get("perplexity") is not None:
         lines.append(
-            f"| forgetting check: general-text perplexity | {_fmt(gen_b.get('perplexity'))} "
-            f"| {_fmt(gen_a.get('perplexity'))} |"
+            row(
+                "forgetting check: general-text perplexity",
+                lambda side: _fmt((side.get("general") or {}).get("perplexity")),
+            )
         )
-    qa_before, qa_after = before.get("qa") or {}, after.get("qa") or {}
-    if qa_before.get("n") or qa_after.get("n"):
-        n = qa_after.get("n") or qa_before.get("n")
+    qa_after = after.get("qa") or {}
+    if (before.get("qa") or {}).get("n") or qa_after.get("n"):
+        n = qa_after.get("n") or (before.get("qa") or {}).get("n")
         lines += [
-            (
-                f"| held-out questions: answer contains the reference ({n}) "
-                f"| {_pct(qa_before.get('exact'))} | {_pct(qa_after.get('exact'))} |"
+            row(
+                f"held-out questions: answer contains the reference ({n})",
+                lambda side: _pct((side.get("qa") or {}).get("exact")),
             ),
-            (
-                f"| held-out questions: token F1 ({n}) "
-                f"| {_pct(qa_before.get('f1'))} | {_pct(qa_after.get('f1'))} |"
+            row(
+                f"held-out questions: token F1 ({n})",
+                lambda side: _pct((side.get("qa") or {}).get("f1")),
             ),
         ]
     items = (after.get("questions") or {}).get("items") or []

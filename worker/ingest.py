@@ -87,5 +87,7 @@ def load_source_docs(session: Session, doc_ids: list[int]) -> list[SourceDoc]:
         except OSError:
             log.warning("extracted text of document %s is missing; skipped", doc_id)
             continue
-        docs.append(SourceDoc(doc.original_name, doc.sha256, text, [tuple(p) for p in pairs]))
+        docs.append(
+            SourceDoc(doc.original_name, doc.sha256, text, [tuple(p) for p in pairs], doc.version)
+        )
     return docs

@@ -131,7 +131,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
     with session_scope() as session:
         job = session.get(Job, job_id)
         params = dict(job.params)
-        # Incremental: new documents + a replay sample, from the previous version's adapter.
+        # Incremental: new documents + a replay sample, from the previous version's adapter
+        # (LoRA) or merged model (full fine-tuning).
         plan = plan_inputs(session, job, job_workdir(job_id))
         params.update(plan.params)
         docs = load_source_docs(session, plan.doc_ids)
@@ -148,7 +149,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
         budget = settings.offload_budget_mb * 2**20 if settings.offload_budget_mb else None
         result = run_pipeline(docs, params, settings.base_model, settings.models_dir, workdir,
                               row.hooks(), swap_dir=job_swap_dir(job_id), budget_bytes=budget,
-                              start_adapter=plan.start_adapter)
+                              start_adapter=plan.start_adapter,
+                              start_model=plan.start_model)
     except Cancelled:
         outcome = (JobState.cancelled, "Cancelled", None)
     except (UserFacingError, ValueError) as exc:

@@ -27,6 +27,7 @@ from worker.engine import configure_threads
 from worker.evaluate import evaluate
 from worker.export import export_all, model_card
 from worker.recipe import Cancelled, EngineOptions, FineTuneRecipe, Hooks, TrainConfig
+from worker.replay import replay_examples, replay_pairs
 
 __all__ = ["Cancelled", "Hooks", "run_pipeline"]
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # Settings build_dataset takes from params when given (else its own defaults).
 DATASET_KEYS = ("holdout_frac", "max_probes", "generated_qa")
+# How many of the base model's own everyday answers to train on alongside (worker.replay).
+REPLAY_KEY = "replay"
 _TRAIN_KEYS = {f.name for f in fields(TrainConfig)}
 
 
@@ -80,6 +83,42 @@ def _describe_base(base_model: str) -> tuple[str, str, list[str]]:
     return Path(base_model).name or base_model, base_model, []
 
 
+def _add_replay(model, tokenizer, split, n: int, max_seq_len: int, workdir: Path,
+                data_key: str, hooks: Hooks) -> None:
+    """Add the base model's own answers to `n` everyday prompts to the training examples
+    (worker.replay), generated once and kept in workdir/replay.json for a resumed job."""
+    key = _fingerprint(data_key, REPLAY_KEY, n)
+    cached = _read_json(workdir / "replay.json")
+    if cached and cached.get("key") == key:
+        pairs = [(p, a) for p, a in cached["pairs"]]  # JSON lists back to pairs
+    else:
+        hooks.on_phase("running", "Noting how the base model answers everyday questions")
+        pairs = replay_pairs(model, tokenizer, n)
+        _write_json(workdir / "replay.json", {"key": key, "pairs": pairs})
+    examples = replay_examples(tokenizer, pairs, max_seq_len)
+    split.train_examples.extend(examples)
+    split.stats["n_train_replay"] = len(examples)
+    split.stats["n_train_examples"] = len(split.train_examples)
+    split.stats.setdefault("notes", []).append(
+        f"{len(examples)} of the base model's own answers to everyday questions were trained "
+        "on too, so it keeps its general English."
+    )
+
+
+def _previous_scores(workdir: Path, job_key: str, hooks: Hooks, measure) -> dict:
+    """The scores of the version an incremental job starts from: `measure()`, done once and
+    kept in workdir/previous.json (keyed by `job_key`) for a resumed job."""
+    cached = _read_json(workdir / "previous.json")
+    if cached and cached.get("key") == job_key:
+        previous = cached["scores"]
+    else:
+        hooks.on_phase("evaluating", "Scoring the previous version")
+        previous = measure()
+        _write_json(workdir / "previous.json", {"key": job_key, "scores": previous})
+    _check_cancel(hooks)
+    return previous
+
+
 def run_pipeline(
     docs: list[SourceDoc],
     params: dict,
@@ -91,6 +130,7 @@ def run_pipeline(
     swap_dir: Path | None = None,
     budget_bytes: int | None = None,
     start_adapter: Path | None = None,
+    start_model: Path | None = None,
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
@@ -104,6 +144,11 @@ def run_pipeline(
     batch_size, checkpoint_every, max_steps, ...) and dataset settings (holdout_frac,
     max_probes). Raises ValueError with a plain-words message for unusable input, Cancelled
     when `hooks.should_cancel()` turns true.
+
+    Incremental jobs (worker/incremental.py) start from a previous version, scored as
+    "previous" next to "before" and "after": `start_adapter`, a LoRA adapter folder the new
+    adapter starts from; `start_model`, a merged model folder (same architecture as the base
+    model) whose weights a full fine-tune starts from.
     """
     hooks = hooks or Hooks()
     configure_threads()
@@ -114,16 +159,23 @@ def run_pipeline(
             "No usable text: the documents of this job contain no text and no "
             "question-answer pairs to train on."
         )
-    unknown = set(params) - _TRAIN_KEYS - set(DATASET_KEYS)
+    unknown = set(params) - _TRAIN_KEYS - set(DATASET_KEYS) - {REPLAY_KEY}
     if unknown:
         log.warning("Ignoring unknown training settings: %s", sorted(unknown))
     config = TrainConfig.from_dict({k: v for k, v in params.items() if k in _TRAIN_KEYS})
+    if start_model is not None and (config.method != "full" or start_adapter is not None):
+        raise ValueError("Only full fine-tuning can start from a previous version's model.")
     dataset_args = {k: params[k] for k in DATASET_KEYS if k in params}
     doc_ids = sorted([d.name, d.sha256, bool(d.qa_pairs)] for d in docs)
     data_key = _fingerprint(base_model, doc_ids, config.max_seq_len, config.seed, dataset_args)
     # start_adapter: a LoRA adapter folder (a previous version, worker/incremental.py) whose
     # weights the training starts from instead of a fresh adapter.
     job_key = _fingerprint(data_key, config.to_dict(), str(start_adapter or ""))
+    if start_model is not None:  # a merged model folder a full fine-tune starts from
+        job_key = _fingerprint(job_key, "start_model", str(start_model))
+    replay_n = int(params.get(REPLAY_KEY) or 0)
+    if replay_n:
+        job_key = _fingerprint(job_key, REPLAY_KEY, replay_n)
 
     result_path = workdir / "result.json"
     done = _read_json(result_path)
@@ -161,6 +213,10 @@ def run_pipeline(
         before = evaluate(model, tokenizer, split)
         _write_json(workdir / "before.json", {"key": data_key, "scores": before})
     _check_cancel(hooks)
+    if replay_n:
+        _add_replay(model, tokenizer, split, replay_n, config.max_seq_len, workdir, data_key,
+                    hooks)
+        _check_cancel(hooks)
 
     engine = EngineOptions(
         budget_bytes=budget_bytes,
@@ -171,17 +227,26 @@ def run_pipeline(
         else [],
     )
     previous = None
-    if start_adapter is not None:
+    if start_model is not None:
+        from worker.incremental import load_model_weights
+
+        # "before" (and the replay answers) came from the base model; from here on the model
+        # is the previous version, which is scored and then trained further.
+        hooks.on_phase("running", "Loading the previous version")
+        n_loaded = load_model_weights(model, Path(start_model))
+        log.info("Starting from the previous version's model (%d tensors).", n_loaded)
+        previous = _previous_scores(
+            workdir, job_key, hooks, lambda: evaluate(model, tokenizer, split)
+        )
+        recipe = FineTuneRecipe(model, split.train_examples, config, workdir, hooks, pad_id,
+                                engine)
+    elif start_adapter is not None:
         from worker.incremental import ContinuedRecipe, score_previous
 
-        cached = _read_json(workdir / "previous.json")
-        if cached and cached.get("key") == job_key:
-            previous = cached["scores"]
-        else:
-            hooks.on_phase("evaluating", "Scoring the previous version")
-            previous = score_previous(model, tokenizer, split, Path(start_adapter), evaluate)
-            _write_json(workdir / "previous.json", {"key": job_key, "scores": previous})
-        _check_cancel(hooks)
+        previous = _previous_scores(
+            workdir, job_key, hooks,
+            lambda: score_previous(model, tokenizer, split, Path(start_adapter), evaluate),
+        )
         recipe = ContinuedRecipe(Path(start_adapter), model, split.train_examples, config,
                                  workdir, hooks, pad_id, engine)
     else:
@@ -217,8 +282,11 @@ def run_pipeline(
             "base_model_id": base_id,
             "method": config.method,
             "params": resolved,
-            "documents": [{"name": d.name, "sha256": d.sha256} for d in docs],
-            "scores": {"before": before, "after": after},
+            "documents": [
+                {"name": d.name, "sha256": d.sha256, "version": d.version} for d in docs
+            ],
+            "scores": {"before": before, "after": after}
+            | ({"previous": previous} if previous is not None else {}),
             "dataset": {k: v for k, v in split.stats.items() if k != "notes"},
             "notes": notes,
         }

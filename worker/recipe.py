@@ -98,6 +98,10 @@ class TrainConfig:
     # large at 256 tokens); smaller batches give small corpora more optimizer steps.
     batch_size: int = 4
     grad_accum: int = 1  # micro-batches per optimizer step
+    # Batch examples of similar length (within windows of 16 batches of the shuffled order,
+    # then the batches shuffled): a batch is padded to its longest example, so mixing short
+    # practice questions with full text chunks computes mostly padding.
+    group_by_length: bool = True
     warmup_ratio: float = 0.05
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -367,8 +371,30 @@ class FineTuneRecipe:
     def _permutation(self, epoch: int) -> list[int]:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
             gen = torch.Generator().manual_seed(self.config.seed + epoch)
-            self._perm_cache = (epoch, torch.randperm(len(self.examples), generator=gen).tolist())
+            order = torch.randperm(len(self.examples), generator=gen).tolist()
+            if self.config.group_by_length:
+                order = self._group_by_length(order, gen)
+            self._perm_cache = (epoch, order)
         return self._perm_cache[1]
+
+    def _group_by_length(self, order: list[int], gen: torch.Generator) -> list[int]:
+        """`order` with examples of similar length in the same batch: each window of 16
+        batches is sorted by length, then the full batches are shuffled (the short last
+        batch stays last, where batch_for_step expects it). Deterministic from the seed."""
+        per_step = self.config.batch_size * self.config.grad_accum
+        cap = self.config.max_seq_len
+
+        def length(i: int) -> int:
+            return min(len(self.examples[i]["input_ids"]), cap)
+
+        window = 16 * per_step
+        ordered: list[int] = []
+        for start in range(0, len(order), window):
+            ordered += sorted(order[start : start + window], key=length)  # stable
+        n_full = len(ordered) // per_step
+        batches = [ordered[b * per_step : (b + 1) * per_step] for b in range(n_full)]
+        shuffled = [batches[b] for b in torch.randperm(n_full, generator=gen).tolist()]
+        return [i for batch in shuffled for i in batch] + ordered[n_full * per_step :]
 
     def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
         """The batch of optimizer step `step` (0-based): a pure function of seed and step, so

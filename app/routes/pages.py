@@ -103,6 +103,8 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
         "fields": fields,
         "train_errors": {},
         "train_values": {},
+        # The version a new job continues ("v3"); the Train form offers the base model instead.
+        "continue_version": jobs_service.continuable_version(project),
         "jobs": jobs,
         "n_active_jobs": sum(1 for row in jobs if row.active),
         "outcomes": [],
@@ -220,7 +222,10 @@ def start_training(
     learning_rate: Annotated[str, Form()] = "",
     lora_rank: Annotated[str, Form()] = "",
     max_seq_len: Annotated[str, Form()] = "",
+    from_base: Annotated[str, Form()] = "",
 ) -> Response:
+    """The Train form. `from_base` is its "start from the base model" checkbox: unticked
+    (absent from the form) means continue the current version, whatever the project's default."""
     project = projects_service.get_project(session, project_id)
     values = {
         "method": method,
@@ -228,6 +233,7 @@ def start_training(
         "learning_rate": learning_rate,
         "lora_rank": lora_rank,
         "max_seq_len": max_seq_len,
+        "from_base": from_base,
     }
     try:
         job = jobs_service.create_job(session, project, values)
@@ -263,11 +269,7 @@ def _job_context(job: Job) -> dict[str, Any]:
         "percent": percent,
         "chart": jobs_service.loss_chart(job.loss_history, job.total_steps),
         "disk": telemetry_service.describe(job.telemetry),
-        "card": (
-            jobs_service.score_card(job.scores, params=job.params)
-            if job.state == JobState.done
-            else None
-        ),
+        "card": jobs_service.job_score_card(job),
         "downloads": [
             (kind, label)
             for kind, label in jobs_service.ARTIFACT_LABELS.items()

@@ -11,7 +11,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, SessionTransaction
 
 from app.db import utcnow
-from app.models import DocStatus, Document, JobState, Project
+from app.models import DocStatus, Document, Job, JobState, Project
 from app.queue import INGEST_TASK, enqueue_after_commit
 from app.services.uploads import ReceivedFile, display_name, human_size
 
@@ -142,7 +142,13 @@ class DocumentRow:
 
 def docs_stamp(session: Session, project_id: int) -> str:
     """A fingerprint of the project's document list, from one cheap query: the page polls
-    with it and gets "nothing new" (204) until a document is added, read, retired or seen."""
+    with it and gets "nothing new" (204) until a document is added, read, retired or seen,
+    or a job finishes as a new model version (the list's "In models" column)."""
+    versions = (
+        select(func.count(Job.id))
+        .where(Job.project_id == project_id, Job.state == JobState.done)
+        .scalar_subquery()
+    )
     row = session.execute(
         select(
             func.count(Document.id),
@@ -151,6 +157,7 @@ def docs_stamp(session: Session, project_id: int) -> str:
             func.max(Document.retired_at),
             func.max(Document.last_seen_at),
             func.sum(Document.version),
+            versions,
         ).where(Document.project_id == project_id)
     ).one()
     return "-".join(str(v.timestamp() if isinstance(v, datetime) else v or 0) for v in row)

@@ -77,11 +77,32 @@ def format_number(value: Any) -> str:
     return str(value)
 
 
+# The Train form's "Start from the base model instead of vN" checkbox, as browsers send it
+# (ticked: "on"; unticked: the route passes ""), or as a script might spell it.
+_FROM_BASE_VALUES = {
+    "": False, "0": False, "off": False, "false": False, "no": False,
+    "1": True, "on": True, "true": True, "yes": True,
+}
+
+
+def start_from_base(form: Mapping[str, Any], project: Project) -> bool:
+    """Whether the job starts from the base model rather than the current tuned version: the
+    form's `from_base` choice when it has one (the Train form always does), else the
+    project's setting (auto-train). parse_train_form refuses any other value."""
+    raw = form.get("from_base")
+    if raw is None:
+        return project.start_from == "base"
+    return _FROM_BASE_VALUES.get(str(raw).strip().lower(), False)
+
+
 def parse_train_form(form: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """The method and the Advanced settings the user filled in (empty fields keep defaults).
 
     Raises InvalidInput with one plain message per bad field."""
     errors: dict[str, str] = {}
+    from_base = form.get("from_base")
+    if from_base is not None and str(from_base).strip().lower() not in _FROM_BASE_VALUES:
+        errors["from_base"] = "Tick the box to start from the base model, or leave it empty."
     method = str(form.get("method") or "lora").strip().lower()
     if method not in METHODS:
         errors["method"] = "Please choose LoRA or full fine-tuning."
@@ -124,6 +145,16 @@ def current_version(project: Project) -> Job | None:
     return chosen[0] if chosen else max(done, key=lambda j: j.id, default=None)
 
 
+def continuable_version(project: Project) -> str | None:
+    """The label ("v3") of the version a new job of the same method (LoRA or full
+    fine-tuning) would continue, whatever the project's setting; None when there is no
+    version yet. The Train form offers "start from the base model instead" only then."""
+    current = current_version(project)
+    if current is None:
+        return None
+    return model_versions(project).get(current.id)
+
+
 def job_sources(corpus: Corpus, parent: Job | None) -> list[dict[str, Any]]:
     """The documents a job uses, each marked "new" when the version it starts from was not
     trained on that content (an added or edited file); the others are known to it."""
@@ -139,8 +170,12 @@ def create_job(
 ) -> Job:
     """Queue a training job on the project's extracted documents.
 
-    The job starts from the project's current tuned version (same method) unless the project
-    is set to start from the base model. The row is created now (state queued);
+    A job starts from the project's current tuned version (its parent) when that version
+    was trained with the same method: a LoRA job continues a LoRA version's adapter, a full
+    fine-tune a full version's merged model. A LoRA version and a full job, or a full version
+    and a LoRA job, start from the base model, as does any job whose form's `from_base` is
+    ticked, or, when the form has no such field (auto-train), whose project is set to start
+    from the base model. The row is created now (state queued);
     TRAIN_TASK(job id) leaves after the commit. Raises InvalidInput when training cannot
     start or a setting is out of bounds."""
     corpus = corpus_of(project)
@@ -149,9 +184,9 @@ def create_job(
         raise InvalidInput(reason, {"train": reason})
     method, overrides = parse_train_form(form)
     params = {**defaults_for(corpus, method), **overrides, "method": method}
-    # Continuing a version means continuing its LoRA adapter; full fine-tuning starts afresh.
-    parent = current_version(project) if project.start_from != "base" else None
-    if parent is not None and not (method == parent.method == "lora"):
+    # Continuing a version means continuing its weights: only a version of the same method.
+    parent = None if start_from_base(form, project) else current_version(project)
+    if parent is not None and parent.method != method:
         parent = None
     job = Job(
         project=project,
@@ -360,6 +395,14 @@ class ScoreCard:
     qa_rows: list[QARow] = field(default_factory=list)
     verdict: Verdict | None = None
     notes: list[str] = field(default_factory=list)  # from dataset building
+    # Incremental jobs: the version the job started from, measured on the same probes and
+    # passages. The recall is of the same kind as the headline (questions or completions).
+    has_previous: bool = False
+    previous_label: str | None = None  # "v2"
+    recall_previous: Recall | None = None
+    perplexity_previous: float | None = None
+    general_previous: float | None = None
+    qa_f1_previous: float | None = None
 
     @property
     def n_probes(self) -> int:
@@ -428,13 +471,33 @@ def _paired_rows(
     return rows
 
 
+def _previous_figures(card: ScoreCard, previous: Mapping[str, Any], label: str | None) -> None:
+    """Fill the card's previous-version figures from scores["previous"] (evaluate()'s shape),
+    with the recall of the same kind as the card's headline: questions or completions."""
+    card.has_previous = True
+    card.previous_label = label
+    if card.recall_kind == "questions":
+        q_prev: Mapping[str, Any] = previous.get("questions") or {}
+        if q_prev.get("n"):
+            card.recall_previous = Recall(int(q_prev.get("n_recalled") or 0), int(q_prev["n"]))
+    elif previous.get("n_probes"):
+        card.recall_previous = _recall(previous)
+    card.perplexity_previous = _num(previous.get("perplexity"))
+    card.general_previous = _num((previous.get("general") or {}).get("perplexity"))
+    card.qa_f1_previous = _num((previous.get("qa") or {}).get("f1"))
+
+
 def score_card(
     scores: Mapping[str, Any] | None,
     max_probes: int = 8,
     params: Mapping[str, Any] | None = None,
     side_by_side: int = 5,
+    previous_label: str | None = None,
 ) -> ScoreCard | None:
-    """The before/after comparison with its verdict, or None when the job has no scores."""
+    """The before/after comparison with its verdict, or None when the job has no scores.
+
+    An incremental job's card also carries the version it started from (scores["previous"];
+    `previous_label` names it, e.g. "v2")."""
     if not scores or not isinstance(scores.get("after"), Mapping):
         return None
     before: Mapping[str, Any] = scores.get("before") or {}
@@ -465,6 +528,9 @@ def score_card(
             ("question", "answer"),
             "question",
         )[:side_by_side]
+    previous = scores.get("previous")
+    if isinstance(previous, Mapping):
+        _previous_figures(card, previous, previous_label)
     card.probes = _paired_rows(
         list(before.get("probes") or []), list(after.get("probes") or []), ("prompt", "answer"),
         "prompt",
@@ -499,19 +565,28 @@ def score_card(
     return card
 
 
+def job_score_card(job: Job) -> ScoreCard | None:
+    """The job page's score card: a done job's scores, with the version it started from
+    named ("v2") when it continued one."""
+    if job.state != JobState.done:
+        return None
+    label = model_versions(job.project).get(job.parent_job_id) if job.parent_job_id else None
+    return score_card(job.scores, params=job.params, previous_label=label)
+
+
 def score_summary(scores: Mapping[str, Any] | None) -> str | None:
-    """One line for the job list, e.g. "Recall 10% → 45%"."""
+    """One line for the job list, e.g. "Recall 10% → 45% (previous version 30%)": the card's
+    headline recall, so the line and the card always quote the same figures."""
     card = score_card(scores)
     if card is None or card.recall_after.pct is None:
         return None
     before = card.recall_before.pct
     after = card.recall_after.pct
     line = f"Recall {before:.0f}% → {after:.0f}%" if before is not None else f"Recall {after:.0f}%"
-    previous = (scores or {}).get("previous")
-    if isinstance(previous, Mapping) and card.recall_after.n_probes:
-        was = _recall(previous).pct  # the version it started from, on the same probes
-        if was is not None:
-            line += f" (previous version {was:.0f}%)"
+    # The version it started from, on the same probes.
+    was = card.recall_previous.pct if card.recall_previous is not None else None
+    if was is not None:
+        line += f" (previous version {was:.0f}%)"
     return line
 
 

@@ -7,6 +7,8 @@ offload) and scales the per-step figures to a project's corpus and settings:
 
   tokens   ~ words x 1.4 + question-answer pairs x 60
   examples ~ text tokens / max_seq_len (chunks) + Q&A pairs
+             + practice questions (about 0.085 per word and per `generated_qa`, measured on
+               the fixture corpus: 146 from 862 words at 2) + replay answers
   steps    = epochs x ceil(examples / batch size)
   time     = steps x time per step: compute scales with the tokens of a step; a model that
              streams from the SSD takes at least the disk time of a step.
@@ -29,6 +31,11 @@ from app.training_defaults import METHODS, default_params
 
 TOKENS_PER_WORD = 1.4
 TOKENS_PER_QA = 60  # a short question and answer in the chat template
+# Practice questions made from fact-bearing sentences (worker/dataset.make_generated_qa), per
+# word of text and per question asked of each fact: 146 from the 862 words of the fixture
+# corpus (tests/fixtures/docs.py) at generated_qa = 2. Real documents state fewer facts per
+# word than that corpus does, so this errs long.
+PRACTICE_QA_PER_WORD = 0.085
 PROFILE_FORMAT = 1
 ESTIMATING = "Estimating this machine's speed…"
 
@@ -64,7 +71,8 @@ def _steps(corpus: Corpus, params: Mapping[str, Any], batch_size: int) -> tuple[
     seq = int(params["max_seq_len"])
     text_tokens = corpus.n_words * TOKENS_PER_WORD
     text_examples = math.ceil(text_tokens / seq) if text_tokens else 0
-    examples = text_examples + corpus.n_qa
+    practice = round(corpus.n_words * PRACTICE_QA_PER_WORD * int(params.get("generated_qa") or 0))
+    examples = text_examples + corpus.n_qa + practice + int(params.get("replay") or 0)
     if not examples:
         return 0, 0
     steps = int(params["epochs"]) * math.ceil(examples / batch_size)

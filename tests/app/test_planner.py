@@ -45,20 +45,25 @@ def profile_file(env):
 
 
 def test_steps_and_time_follow_the_corpus():
-    corpus = Corpus(n_words=10_000, n_qa=0)  # 3 epochs by default at this size
+    corpus = Corpus(n_words=10_000, n_qa=0)  # 2 epochs by default at this size
     est = planner.estimates_for(corpus, PROFILE, load=False)
-    examples = math.ceil(10_000 * 1.4 / 256)  # 55 chunks of 256 tokens
-    steps = 3 * math.ceil(examples / 4)
-    assert est["lora"].steps == est["full"].steps == steps == 42
+    chunks = math.ceil(10_000 * 1.4 / 256)  # 55 chunks of 256 tokens
+    practice = round(10_000 * planner.PRACTICE_QA_PER_WORD * 2)  # 2 questions per fact
+    examples = chunks + practice + 16  # + the base model's answers to 16 everyday requests
+    steps = 2 * math.ceil(examples / 4)
+    assert est["lora"].steps == est["full"].steps == steps == 886
     # LoRA fits: the time is compute, at the reference batch (4 x 256 tokens).
     assert est["lora"].seconds == pytest.approx(steps * 2.0)
-    assert est["lora"].text == "Fits in memory: about 1 min" and est["lora"].streams is False
+    assert est["lora"].text == "Fits in memory: about 30 min" and est["lora"].streams is False
     # Full streams: a step takes at least the disk time.
     assert est["full"].seconds == pytest.approx(steps * 20.0)
-    assert est["full"].text == "Streams from the SSD: about 14 min" and est["full"].streams
+    assert est["full"].text == "Streams from the SSD: about 4 h 55 min" and est["full"].streams
 
     bigger = planner.estimates_for(Corpus(n_words=200_000), PROFILE, load=False)
     assert bigger["full"].seconds > 10 * est["full"].seconds
+    # Without practice questions or replay, only the text chunks count.
+    plain = {"method": "lora", "epochs": 2, "max_seq_len": 256}
+    assert planner.estimate(corpus, plain, PROFILE).steps == 2 * math.ceil(chunks / 4)
     assert "h" in bigger["full"].text
 
 
@@ -125,8 +130,8 @@ def test_train_panel_shows_both_methods_once_measured(client, profile_file):
     project_id = _project_with_text()
     page = client.get(f"/projects/{project_id}").text
     assert "Training time on this machine" in page
-    assert "Fits in memory: about 1 min" in page
-    assert "Streams from the SSD: about 14 min" in page
+    assert "Fits in memory: about 30 min" in page
+    assert "Streams from the SSD: about 4 h 55 min" in page
     plan = page[page.index('id="train-plan"') : page.index("</dl>", page.index('id="train-plan"'))]
     assert "hx-trigger" not in plan  # measured: no more polling
     assert '<div class="chosen"><dt>LoRA</dt>' in plan

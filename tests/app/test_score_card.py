@@ -3,6 +3,7 @@ the forgetting check, side by side, the user's own questions, and the verdict.""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from app.db import session_scope
@@ -156,3 +157,64 @@ def test_a_job_without_facts_says_why_recall_was_not_measured(client):
     assert "No facts to check: recall could not be measured." in text
     assert "no sentence in your documents states a distinctive fact" in text
     assert "Side by side" not in text
+
+
+def with_previous(scores: dict[str, Any], hits: int = 4) -> dict[str, Any]:
+    """An incremental job's scores: the version it started from, measured like "after"."""
+    previous = full_scores(after_hits=hits)["after"]
+    previous["perplexity"] = 18.5
+    previous["general"] = {"perplexity": 20.5, "n_paragraphs": 6}
+    previous["qa"]["f1"] = 0.35
+    return scores | {"previous": previous}
+
+
+def test_the_card_carries_the_previous_version_with_the_headline_recall():
+    card = score_card(with_previous(full_scores()), params=PARAMS, previous_label="v2")
+    assert card.has_previous and card.previous_label == "v2"
+    # The headline is the questions: 4 of 10 questions, not the 2 of 10 completions.
+    assert (card.recall_previous.n_recalled, card.recall_previous.n_probes) == (4, 10)
+    assert card.recall_previous.pct == 40.0
+    assert (card.perplexity_previous, card.general_previous) == (18.5, 20.5)
+    assert card.qa_f1_previous == 0.35
+    assert score_summary(with_previous(full_scores())) == "Recall 0% → 80% (previous version 40%)"
+
+    # Completion-only scores (no questions asked): the previous recall is the completions'.
+    scores = full_scores()
+    for side in ("before", "after"):
+        del scores[side]["questions"]
+    card = score_card(with_previous(scores))
+    assert card.recall_kind == "completion"
+    assert (card.recall_previous.n_recalled, card.recall_previous.n_probes) == (2, 10)
+    assert score_summary(with_previous(scores)) == "Recall 0% → 40% (previous version 20%)"
+
+    plain = score_card(full_scores(), params=PARAMS)
+    assert not plain.has_previous and plain.recall_previous is None
+    assert plain.perplexity_previous is None and plain.general_previous is None
+
+
+_PREVIOUS = re.compile(
+    r'class="metric-detail metric-previous">Previous version ?([^:]*):\s*'
+    r'<strong class="previous">([^<]*)</strong>'
+)
+
+
+def test_job_page_shows_the_previous_version_for_each_metric(client):
+    with session_scope() as session:
+        project = make_project(session, "Incremental")
+        v1 = make_job(session, project, JobState.done, scores=full_scores())
+        v2 = make_job(
+            session, project, JobState.done, parent_job_id=v1.id,
+            scores=with_previous(full_scores()),
+        )
+        v1_id, v2_id = v1.id, v2.id
+    text = client.get(f"/jobs/{v2_id}").text
+    # Recall, held-out perplexity, forgetting check, the user's questions: each with v1's.
+    assert _PREVIOUS.findall(text) == [
+        ("v1", "40%"), ("v1", "18.5"), ("v1", "20.5"), ("v1", "35%")
+    ]
+    assert "(4 of 10 facts)" in text
+    assert "This training continued v1" in text
+
+    text = client.get(f"/jobs/{v1_id}").text  # started from the base model: no third value
+    assert _PREVIOUS.findall(text) == [] and "Previous version" not in text
+    assert "This training continued" not in text

@@ -53,7 +53,7 @@ def postgres_engine():
     try:
         admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
         admin.connect().close()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if os.environ.get("DOCTUNE_REQUIRE_POSTGRES"):
             raise
         pytest.skip(f"no PostgreSQL at {PG_ADMIN_URL}: {exc}")

@@ -1,12 +1,18 @@
 """Measure the engine's real memory in a fresh process (prints one JSON line).
 
-python -m tests.offload._rss_proc SWAP_DIR BUDGET_BYTES STEPS [ACTIVATION_BYTES]
+python -m tests.offload._rss_proc SWAP_DIR BUDGET_BYTES STEPS [ACTIVATION_BYTES] [--meta]
 
 Baseline: resident set size after imports and a warm-up step of a throwaway model (torch's
 kernels and allocator pools exist by then), before the model is built. Peak: VmHWM after
 training, with the high-water mark reset (/proc/self/clear_refs) once the engine has
-moved the blocks out. Run with MALLOC_MMAP_THRESHOLD_ set low, so that freed tensors go
-back to the system and the resident set tracks live memory."""
+moved the blocks out.
+
+--meta builds the models as the 2B benchmark does: on the meta device, blocks created in
+the swap by init_weights, so no block weight is ever allocated outside the engine. Then
+the engine's own malloc settings (OffloadConfig.malloc_mmap_threshold) are all it takes
+for the resident set to track live memory. A model built in memory first leaves its
+weights' memory in glibc's heap when the engine pages them out (see offload/_malloc.py);
+the test of that case runs with MALLOC_MMAP_THRESHOLD_ set before the process starts."""
 
 from __future__ import annotations
 
@@ -16,9 +22,10 @@ import json
 import sys
 
 import torch
+from transformers import LlamaForCausalLM
 
 from offload import AdamWConfig, OffloadConfig, OffloadEngine
-from tests.offload._factories import make_batch, state_bytes, tiny_llama
+from tests.offload._factories import make_batch, state_bytes, tiny_config, tiny_llama
 
 SHAPE = {
     "hidden_size": 256,
@@ -44,21 +51,47 @@ def _trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def main(swap: str, budget: int, steps: int, act: int = 12 << 20) -> dict:
-    torch.set_num_threads(1)
-    warm = tiny_llama(**SHAPE)  # warm-up: same kernels, same shapes, then thrown away
-    warm(**make_batch(0, BATCH, SEQ, vocab=512)).loss.backward()
-    del warm
-    _trim()
-    baseline = _status("VmRSS")
+def _init(name: str, t: torch.Tensor) -> None:
+    t.normal_(0.0, 0.02) if t.ndim >= 2 else t.fill_(1.0)
 
-    model = tiny_llama(**SHAPE)
+
+def _meta_model() -> LlamaForCausalLM:
+    """Blocks on the meta device; embeddings, final norm, lm_head and buffers real."""
+    cfg = tiny_config(**SHAPE)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.model.rotary_emb = type(model.model.rotary_emb)(cfg)
+    for name, p in list(model.named_parameters()):
+        if not name.startswith("model.layers."):
+            mod_name, _, attr = name.rpartition(".")
+            real = torch.empty(p.shape, dtype=p.dtype)
+            _init(name, real)
+            model.get_submodule(mod_name)._parameters[attr] = torch.nn.Parameter(real)
+    return model
+
+
+def _engine(swap: str, budget: int, act: int, meta: bool) -> tuple[OffloadEngine, int]:
+    model = _meta_model() if meta else tiny_llama(**SHAPE)
     state = state_bytes(model)
     eng = OffloadEngine(
         model,
         AdamWConfig(lr=1e-3, max_grad_norm=1.0),
         OffloadConfig(budget, swap, prefetch=1, activation_bytes=act),
+        init_weights=_init if meta else None,
     )
+    return eng, state
+
+
+def main(swap: str, budget: int, steps: int, act: int = 12 << 20, meta: bool = False) -> dict:
+    torch.set_num_threads(1)
+    warm, _ = _engine(swap + "-warm", budget, act, meta)  # same kernels, same shapes
+    warm.step(make_batch(0, BATCH, SEQ, vocab=512))
+    warm.close()
+    del warm
+    _trim()
+    baseline = _status("VmRSS")
+
+    eng, state = _engine(swap, budget, act, meta)
     _trim()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current resident set
@@ -77,8 +110,10 @@ def main(swap: str, budget: int, steps: int, act: int = 12 << 20) -> dict:
         "streaming": t["streaming"],
         "bytes_read": t["bytes_read"],
         "kept_graphs": t["kept_graphs"],
+        "malloc_mmap_threshold": t["malloc_mmap_threshold"],
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], *map(int, sys.argv[2:]))))
+    args = [a for a in sys.argv[1:] if a != "--meta"]
+    print(json.dumps(main(args[0], *map(int, args[1:]), meta="--meta" in sys.argv)))

@@ -215,8 +215,8 @@ def test_generated_questions_are_capped_per_fact(smol_tokenizer):
 def test_no_practice_question_reads_like_a_probe_question(smol_tokenizer):
     """Other spans of a probed sentence are not asked in the probe templates either: their
     answer (the sentence) holds the probe's answer."""
-    from worker.questions import PROBE_TEMPLATES, probe_question, training_questions
     from worker.probes import fact_spans
+    from worker.questions import PROBE_TEMPLATES, probe_question, training_questions
 
     sentence = (
         "The company was founded in 1987 by Marguerite Olsson-Dray in a converted boathouse "

@@ -78,7 +78,7 @@ def unzip(path: Path, dest: Path) -> Path:
 
 CARD_INFO = {
     "base_model": "tiny-llama",
-    "base_model_id": "some/base",
+    "base_model_id": "./tiny-base",
     "params": {"epochs": 1, "learning_rate": 0.01, "lora_rank": 4},
     "documents": [{"name": "handbook.pdf", "sha256": "ab" * 32}],
     "scores": {
@@ -110,13 +110,29 @@ def test_model_card_says_what_was_done():
         "40.25",
         "| 0% | 75% |",
         "PeftModel.from_pretrained",
-        'from_pretrained("some/base")',
+        'from_pretrained("./tiny-base")',
         "AutoModelForCausalLM",
     ):
         assert text in card, text
     full = model_card(CARD_INFO | {"method": "full"})
     assert "PeftModel" not in full and "full fine-tuning" in full
     assert "n/a" in model_card({"method": "full", "scores": {"before": {}, "after": {}}})
+
+
+def test_model_card_lists_versions_and_the_previous_version():
+    previous = {"perplexity": 90.0, "n_probes": 10, "n_recalled": 4, "qa": {"n": 4, "f1": 0.3}}
+    info = CARD_INFO | {
+        "method": "lora",
+        "documents": [{"name": "handbook.pdf", "sha256": "ab" * 32, "version": 3}],
+    }
+    card = model_card(info | {"scores": CARD_INFO["scores"] | {"previous": previous}})
+    assert f"| handbook.pdf | 3 | `{'ab' * 32}` |" in card
+    assert "| score | before | after | previous version |" in card
+    assert "| knowledge recall (sentence completions) | 1 of 10 (10%) | 7 of 10 (70%) " \
+        "| 4 of 10 (40%) |" in card
+    assert "| held-out perplexity | 812.50 | 40.25 | 90.00 |" in card
+    # Without a previous version there is no such column.
+    assert "previous version" not in model_card(info)
 
 
 def test_lora_exports_round_trip(tiny_dir, tokenizer, tmp_path):
@@ -129,7 +145,7 @@ def test_lora_exports_round_trip(tiny_dir, tokenizer, tmp_path):
     card = model_card(CARD_INFO | {"method": "lora"})
 
     adapter_zip = export_adapter(
-        model, tokenizer, tmp_path / "out" / "adapter.zip", card, base_model_id="some/base"
+        model, tokenizer, tmp_path / "out" / "adapter.zip", card, base_model_id="./tiny-base"
     )
     merged_zip = export_merged(model, tokenizer, tmp_path / "out" / "merged.zip", card)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["adapter.zip", "merged.zip"]
@@ -151,7 +167,7 @@ def test_lora_exports_round_trip(tiny_dir, tokenizer, tmp_path):
         "README.md",
     } <= names
     assert (folder / "README.md").read_text() == card
-    assert '"base_model_name_or_path": "some/base"' in (folder / "adapter_config.json").read_text()
+    assert '"base_model_name_or_path": "./tiny-base"' in (folder / "adapter_config.json").read_text()
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), folder)
     torch.testing.assert_close(logits(loaded, ids), expected, rtol=0, atol=1e-5)
     assert AutoTokenizer.from_pretrained(folder)("Heron").input_ids == tokenizer("Heron").input_ids
@@ -266,7 +282,7 @@ def lora_exports(tiny_dir, tokenizer, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora-exports")
     model = trained(tiny_dir, tokenizer, tmp / "job", "lora")
     card = model_card(CARD_INFO | {"method": "lora"})
-    artifacts, errors = export_all(model, tokenizer, tmp / "out", card, base_model_id="some/base")
+    artifacts, errors = export_all(model, tokenizer, tmp / "out", card, base_model_id="./tiny-base")
     merged = AutoModelForCausalLM.from_pretrained(unzip(artifacts["merged"], tmp / "merged"))
     ids = torch.tensor(
         [tokenizer("The Heron invoice code is ZX-4471", add_special_tokens=False).input_ids]

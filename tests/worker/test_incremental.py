@@ -1,5 +1,6 @@
-"""Incremental training: a new version starts from the previous version's adapter (checked on
-the weights themselves) and trains on the new documents plus a replay sample of the old.
+"""Incremental training: a new version starts from the previous version's adapter, or for a
+full fine-tune from its merged model (checked on the weights themselves), and trains on the
+new documents plus a replay sample of the old.
 
 The jobs run in this process through the same services and worker code as the web path
 (the INLINE session mark hands queued tasks back instead of sending them), on the tiny
@@ -25,9 +26,15 @@ from app.services.projects import create_project
 from app.services.uploads import receive_local_file
 from app.settings import settings
 from tests.fixtures import docs as fx
-from worker.incremental import ContinuedRecipe, plan_inputs, replay_plan
+from worker.incremental import (
+    ContinuedRecipe,
+    load_model_weights,
+    plan_inputs,
+    replay_plan,
+    unpack_model,
+)
 from worker.ingest import ingest_document
-from worker.jobs import run_job
+from worker.jobs import job_workdir, run_job
 from worker.recipe import EngineOptions, FineTuneRecipe, TrainConfig
 
 FACTS = [
@@ -150,11 +157,11 @@ def _add_files(project_id: int, paths: list[Path]) -> None:
     _run_inline(tasks)
 
 
-def _train(project_id: int, extra: dict) -> Job:
+def _train(project_id: int, extra: dict, method: str = "lora") -> Job:
     tasks: list = []
     with session_scope() as session:
         session.info[INLINE] = tasks
-        job = create_job(session, session.get(Project, project_id), {"method": "lora"})
+        job = create_job(session, session.get(Project, project_id), {"method": method})
         job.params = {**job.params, **extra}
         job_id = job.id
     _run_inline(tasks)
@@ -203,6 +210,109 @@ def test_the_next_version_continues_the_current_one_on_new_and_replayed_document
     assert v2.scores["previous"]["n_probes"] == v2.scores["after"]["n_probes"]
 
 
+def _merged(job: Job) -> dict[str, torch.Tensor]:
+    with zipfile.ZipFile(job.artifacts["merged"]) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".safetensors"))
+        return load_safetensors(zf.read(name))
+
+
+def test_a_full_fine_tune_continues_the_previous_full_version_from_its_merged_weights(
+    migrated_db, tiny_base_model, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    with session_scope() as session:
+        project_id = create_project(session, f"Full incremental {time.monotonic_ns()}").id
+    fx.make_txt(tmp_path / "facts.txt", FACTS * 4)
+    _add_files(project_id, [tmp_path / "facts.txt"])
+    v1 = _train(project_id, {"max_steps": 4, "learning_rate": 5e-3, "seed": 1}, "full")
+    assert v1.state == JobState.done and v1.parent_job_id is None, v1.error
+    assert "previous" not in v1.scores
+
+    fx.make_txt(tmp_path / "new.txt", NEW_FACTS * 4)
+    _add_files(project_id, [tmp_path / "new.txt"])
+    v2 = _train(project_id, {"max_steps": 1, "learning_rate": 1e-6}, "full")
+    assert v2.state == JobState.done, v2.error
+    assert v2.method == "full" and v2.parent_job_id == v1.id
+    assert {s["name"]: (s["new"], s["role"]) for s in v2.sources} == {
+        "facts.txt": (False, "replay"),
+        "new.txt": (True, "new"),
+    }
+
+    # The starting weights: v1's merged model, unpacked for v2 and loaded into the base model
+    # (tied output layer included), equals v1's weights exactly and not the base model's.
+    base = AutoModelForCausalLM.from_pretrained(tiny_base_model, dtype=torch.float32)
+    base_weights = {k: v.clone() for k, v in base.state_dict().items()}
+    v1_weights = _merged(v1)
+    assert load_model_weights(base, job_workdir(v2.id) / "start_model") == len(v1_weights)
+    start = base.state_dict()
+    for key, value in v1_weights.items():
+        assert torch.equal(start[key], value), key
+    spread = max((v1_weights[k] - base_weights[k]).abs().max().item() for k in v1_weights)
+    # One step at the smallest learning rate: v2 is still v1, give or take that tiny step, if
+    # (and only if) it started from v1's weights, which are far from the base model's.
+    v2_weights = _merged(v2)
+    assert v2_weights.keys() == v1_weights.keys()
+    moved = max((v2_weights[k] - v1_weights[k]).abs().max().item() for k in v1_weights)
+    assert moved < 1e-5 < spread
+    # The score card compares with the base model and with the previous version.
+    assert set(v2.scores) >= {"before", "previous", "after"}
+    assert v2.scores["previous"]["n_probes"] == v2.scores["after"]["n_probes"]
+    assert v2.scores["previous"] != v2.scores["before"]
+
+
+def test_a_start_model_of_another_shape_is_refused_in_plain_words(tiny_model, tmp_path):
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    other = LlamaForCausalLM(
+        LlamaConfig(vocab_size=tiny_model.config.vocab_size, hidden_size=32,
+                    intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+    )
+    other.save_pretrained(tmp_path / "other")
+    model = copy.deepcopy(tiny_model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="does not fit the base model"):
+        load_model_weights(model, tmp_path / "other")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    with pytest.raises(ValueError, match="no weights"):
+        load_model_weights(model, tmp_path)  # an empty folder
+
+    tiny_model.save_pretrained(tmp_path / "same")  # the same shape loads
+    assert load_model_weights(model, tmp_path / "same") == len(model.state_dict())
+
+
+def test_unpacking_a_merged_model_uses_no_path_from_the_zip(tmp_path):
+    made = tmp_path / "merged.zip"
+    with zipfile.ZipFile(made, "w") as zf:
+        zf.writestr("../../escape.safetensors", b"weights")
+        zf.writestr("/abs/config.json", b"{}")
+        zf.writestr("README.md", b"card")
+        zf.writestr("tokenizer.json", b"{}")
+    dest = tmp_path / "job" / "start_model"
+    dest.mkdir(parents=True)
+    (dest / "stale.safetensors").write_bytes(b"from an earlier run")
+    assert unpack_model(made, dest) == dest
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "escape.safetensors"]
+    assert (dest / "escape.safetensors").read_bytes() == b"weights"
+    assert not (tmp_path / "escape.safetensors").exists()
+    assert not any(tmp_path.parent.glob("escape.safetensors"))
+
+    no_weights = tmp_path / "no-weights.zip"
+    with zipfile.ZipFile(no_weights, "w") as zf:
+        zf.writestr("config.json", b"{}")
+    with pytest.raises(ValueError, match="no weights"):
+        unpack_model(no_weights, dest)
+    twice = tmp_path / "twice.zip"
+    with zipfile.ZipFile(twice, "w") as zf:
+        zf.writestr("a/model.safetensors", b"1")
+        zf.writestr("b/model.safetensors", b"2")
+    with pytest.raises(ValueError, match="two files named model.safetensors"):
+        unpack_model(twice, dest)
+
+
 def test_retrain_from_base_starts_a_fresh_adapter_on_every_document(migrated_db, tmp_path):
     with session_scope() as session:
         project = create_project(session, f"From base {time.monotonic_ns()}")
@@ -236,9 +346,12 @@ def test_retrain_from_base_starts_a_fresh_adapter_on_every_document(migrated_db,
         session.rollback()
 
 
-def test_a_parent_without_its_adapter_falls_back_to_the_base_model(migrated_db, tmp_path):
+@pytest.mark.parametrize("method, kind", [("lora", "adapter"), ("full", "merged")])
+def test_a_parent_without_its_adapter_falls_back_to_the_base_model(
+    migrated_db, tmp_path, method, kind
+):
     with session_scope() as session:
-        project = create_project(session, f"Lost adapter {time.monotonic_ns()}")
+        project = create_project(session, f"Lost {kind} {time.monotonic_ns()}")
         project_id = project.id
     fx.make_txt(tmp_path / "facts.txt", FACTS * 4)
     _add_files(project_id, [tmp_path / "facts.txt"])
@@ -248,17 +361,18 @@ def test_a_parent_without_its_adapter_falls_back_to_the_base_model(migrated_db, 
             Job(
                 project=project,
                 state=JobState.done,
-                method="lora",
+                method=method,
                 sources=[],
-                artifacts={"adapter": str(tmp_path / "gone.zip")},
+                artifacts={kind: str(tmp_path / "gone.zip")},
             )
         )
         session.flush()
         session.info[INLINE] = []
-        job = create_job(session, project, {"method": "lora"})
+        job = create_job(session, project, {"method": method})
         assert job.parent_job_id is not None  # planned as a continuation...
         plan = plan_inputs(session, job, tmp_path / "job")
-        assert plan.start_adapter is None  # ...but the adapter file is gone: from the base
+        # ...but the adapter (or merged model) file is gone: from the base model
+        assert plan.start_adapter is None and plan.start_model is None
         assert plan.doc_ids == [s["id"] for s in job.sources]
         session.info[INLINE].clear()
         session.rollback()

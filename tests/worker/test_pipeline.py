@@ -41,6 +41,7 @@ def params(**overrides) -> dict:
     return (
         p
         | {"epochs": 2, "max_seq_len": 48, "batch_size": 4, "checkpoint_every": 2, "max_probes": 6}
+        | {"replay": 0}  # the replay test below turns it on
         | overrides
     )
 
@@ -208,3 +209,14 @@ def test_documents_without_facts_still_get_a_score_card_that_says_why(tiny_dir, 
     v = verdict(result["scores"]["before"], after, result["params"])
     assert v.level == "unmeasured" and "could not be measured" in v.headline
     assert "merged" in result["artifacts"]
+
+
+def test_replay_adds_the_base_models_own_answers(tiny_dir, tmp_path):
+    result = run_pipeline(
+        DOCS, params(max_steps=1, replay=3), str(tiny_dir), tmp_path / "models", tmp_path
+    )
+    stats = result["dataset"]
+    assert stats["n_train_replay"] == 3
+    assert any("everyday questions" in n for n in stats["notes"])
+    pairs = json.loads((tmp_path / "replay.json").read_text())["pairs"]
+    assert len(pairs) == 3

@@ -129,8 +129,10 @@ def test_training_phrasings_never_include_the_probe_phrasing():
     assert probe in {q for _, q, _ in training_questions(f, probed=False)}
     by_template = {t: (q, a) for t, q, a in probed}
     assert by_template["fill_blank"] == (
-        "Fill in the blank from the employee handbook: "
-        '"Every employee receives ___ of paid annual leave."',
+        (
+            "Fill in the blank from the employee handbook: "
+            '"Every employee receives ___ of paid annual leave."'
+        ),
         "27 days",
     )
     assert by_template["echo"][0] == ("Every employee receives how many days of paid annual leave?")

@@ -118,7 +118,8 @@ def test_pad_batch_masks_padding():
 
 
 def test_each_epoch_sees_every_example_once(tiny_dir, examples, tmp_path):
-    r = recipe(tiny_dir, examples, tmp_path, epochs=2, batch_size=4)  # 3 steps, last short
+    # 3 steps, last short; the plain shuffle (grouping by length: the next test)
+    r = recipe(tiny_dir, examples, tmp_path, epochs=2, batch_size=4, group_by_length=False)
     for epoch in range(2):
         seen = []
         for step in range(epoch * 3, epoch * 3 + 3):
@@ -127,6 +128,33 @@ def test_each_epoch_sees_every_example_once(tiny_dir, examples, tmp_path):
         assert sorted(seen) == sorted(tuple(e["input_ids"]) for e in examples)
     assert r.batch_for_step(0)["input_ids"].tolist() != r.batch_for_step(3)["input_ids"].tolist()
     r.cleanup()
+
+
+def test_batches_group_examples_of_similar_length(tiny_dir, tmp_path):
+    # 8 long chunks among 40 short practice questions, batches of 4 (12 steps an epoch).
+    mixed = [{"input_ids": [7] * 60, "labels": [7] * 60} for _ in range(8)] + [
+        {"input_ids": [9] * (5 + i % 4), "labels": [9] * (5 + i % 4)} for i in range(40)
+    ]
+
+    def widths(r) -> list[int]:
+        return [r.batch_for_step(s)["input_ids"].shape[1] for s in range(r.steps_per_epoch)]
+
+    grouped = recipe(tiny_dir, mixed, tmp_path / "g", batch_size=4, epochs=2)
+    plain = recipe(tiny_dir, mixed, tmp_path / "p", batch_size=4, epochs=2,
+                   group_by_length=False)
+    # The long chunks share two batches instead of padding most of them.
+    assert widths(grouped).count(60) == 2
+    assert widths(plain).count(60) > 2
+    assert sum(widths(grouped)) < sum(widths(plain))
+    # Still every example once an epoch, a different order each epoch, same order each run.
+    for epoch in range(2):
+        order = grouped._permutation(epoch)
+        assert sorted(order) == list(range(len(mixed)))
+    assert grouped._permutation(0) != grouped._permutation(1)
+    again = recipe(tiny_dir, mixed, tmp_path / "a", batch_size=4, epochs=2)
+    assert again._permutation(1) == grouped._permutation(1)
+    for r in (grouped, plain, again):
+        r.cleanup()
 
 
 def test_grad_accum_matches_one_big_batch(tiny_dir, examples):

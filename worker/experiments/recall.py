@@ -11,7 +11,7 @@ measures for each:
 - the app's own score: recall probes asked as questions (held-out phrasings) and as
   sentence completions, held-out perplexity, and the forgetting check.
 
-    .venv/bin/python -m worker.experiments.recall                 # every recipe
+    .venv/bin/python -m worker.experiments.recall                 # the app's defaults
     .venv/bin/python -m worker.experiments.recall --recipes text,qa2-lr1e-3
 
 Run from the repository root (it imports the fixture corpus from tests/). Prints a table,
@@ -43,7 +43,37 @@ RECIPES: dict[str, dict] = {
         "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "lora_rank": 64,
     },
     "qa2-full-5e-5": {"generated_qa": 2, "method": "full", "epochs": 4, "learning_rate": 5e-5},
+    # ... plus the base model's own answers to 16 everyday questions (worker.replay).
+    "qa2-lr1e-3-replay": {
+        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 16,
+    },
+    "qa2-lr5e-4-replay": {
+        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 5e-4, "replay": 16,
+    },
+    # ... with the base model's own answers to all 48 everyday requests.
+    "qa2-lr1e-3-replay48": {
+        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 48,
+    },
+    "qa2-lr5e-4-replay48": {
+        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 5e-4, "replay": 48,
+    },
+    "qa2-lr1e-3-e2-replay48": {
+        "generated_qa": 2, "method": "lora", "epochs": 2, "learning_rate": 1e-3, "replay": 48,
+    },
 }  # fmt: skip
+
+
+def default_recipe(docs: list) -> dict:
+    """What the Train button would use for this corpus (app.training_defaults)."""
+    from app.training_defaults import default_params
+
+    n_words = sum(len(d.text.split()) for d in docs)
+    n_qa = sum(len(d.qa_pairs) for d in docs)
+    params = default_params(n_words, n_qa, "lora")
+    keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay")
+    return {k: params[k] for k in keys if k in params} | {
+        "generated_qa": params.get("generated_qa", 0)
+    }
 
 
 def load_corpus(folder: Path) -> list:
@@ -99,6 +129,7 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
     from worker.engine import configure_threads
     from worker.evaluate import evaluate, probe_set_id
     from worker.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+    from worker.replay import replay_examples, replay_pairs
 
     threads = configure_threads()
     model_dir = ensure_embedded_model(models_dir)
@@ -109,8 +140,9 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
         docs = load_corpus(Path(tmp) / "corpus")
         for name in recipes:
-            spec = dict(RECIPES[name])
+            spec = dict(RECIPES[name]) if name != "default" else default_recipe(docs)
             generated = spec.pop("generated_qa")
+            n_replay = spec.pop("replay", 0)
             split = build_dataset(
                 docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated
             )
@@ -127,6 +159,14 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
                 before["employee"] = employee_questions(model, tokenizer, SAMPLE_FACTS)
                 cache_file.write_text(json.dumps(before))
             before_cache["scores"] = before
+            if n_replay:
+                replay_file = models_dir / f"recall-replay-{n_replay}.json"
+                if replay_file.is_file():
+                    pairs = [tuple(p) for p in json.loads(replay_file.read_text())]
+                else:
+                    pairs = replay_pairs(model, tokenizer, n_replay)
+                    replay_file.write_text(json.dumps(pairs))
+                split.train_examples.extend(replay_examples(tokenizer, pairs, 256))
             eval_s = time.perf_counter() - started
             print(
                 f"# {name}: {split.stats['n_train_examples']} examples, "
@@ -154,12 +194,12 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
             after["employee"] = employee_questions(model, tokenizer, SAMPLE_FACTS)
             results["before"] = _summary(before)
             results["recipes"][name] = {
-                "settings": RECIPES[name],
+                "settings": RECIPES.get(name) or default_recipe(docs),
                 "train_minutes": round(metrics["train_seconds"] / 60, 2),
                 "tokens_per_s": round(metrics["tokens_per_s"], 1),
                 "steps": metrics["steps"],
-                "n_train_examples": split.stats["n_train_examples"],
-                "n_train_tokens": split.stats["n_train_tokens"],
+                "n_train_examples": len(split.train_examples),
+                "n_train_tokens": sum(len(e["input_ids"]) for e in split.train_examples),
                 "final_loss": metrics["final_loss"],
                 "first_eval_seconds": round(eval_s, 1),
                 "after": _summary(after),
@@ -205,7 +245,11 @@ def _row(name: str, r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated names")
+    parser.add_argument(
+        "--recipes",
+        default="default",
+        help=f"comma-separated: default (the app's defaults) or any of {', '.join(RECIPES)}",
+    )
     parser.add_argument(
         "--models-dir",
         default=str(Path.home() / ".cache" / "doctune-tests"),
@@ -214,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RECIPES]
+    unknown = [n for n in names if n not in RECIPES and n != "default"]
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
     print(HEADER, flush=True)
