@@ -71,9 +71,12 @@ def test_train_shows_the_defaults_for_the_corpus(client, env):
         project_id = project.id
     page = client.get(f"/projects/{project_id}").text
     assert "disabled" not in _train_button(page)
-    expected = default_params(3000, 100, "lora")  # 6,000 "words": 5 epochs
+    expected = default_params(3000, 100, "lora")  # 6,000 "words": 3 epochs
+    assert expected["epochs"] == 3
     assert re.search(rf"Passes over your documents</dt><dd>{expected['epochs']}</dd>", page)
-    assert "<dd>0.0002</dd>" in page and "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
+    assert "<dd>0.001</dd>" in page and "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
+    assert "<dd>2 per fact in your documents</dd>" in page  # the practice questions
+    assert "<dd>16 (so the model keeps its general English)</dd>" in page  # the replay
     assert "3,000 words and 100 question-answer pairs" in page
     assert '<details class="advanced"' in page
 

@@ -110,7 +110,7 @@ def test_model_card_says_what_was_done():
         "40.25",
         "| 0% | 75% |",
         "PeftModel.from_pretrained",
-        'from_pretrained("./tiny-base")',
+        "from_pretrained(" + json.dumps(CARD_INFO["base_model_id"]) + ")",  # the local path
         "AutoModelForCausalLM",
     ):
         assert text in card, text
