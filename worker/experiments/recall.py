@@ -60,6 +60,18 @@ RECIPES: dict[str, dict] = {
     "qa2-lr1e-3-e2-replay48": {
         "generated_qa": 2, "method": "lora", "epochs": 2, "learning_rate": 1e-3, "replay": 48,
     },
+    # Variations on the default (replay 16, batches grouped by length), against forgetting.
+    "default-e3": {
+        "generated_qa": 2, "method": "lora", "epochs": 3, "learning_rate": 1e-3, "replay": 16,
+    },
+    "default-r8": {
+        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 16,
+        "lora_rank": 8,
+    },
+    "default-wd": {
+        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 16,
+        "weight_decay": 0.1,
+    },
 }  # fmt: skip
 
 
