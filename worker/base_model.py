@@ -219,6 +219,47 @@ def resolve_base_model(spec: str, models_dir: Path) -> str:
     return spec
 
 
+def fp32_load_bytes(model_dir: Path) -> int:
+    """Bytes the model's weights take once loaded in float32 (how jobs load it), from the
+    safetensors headers alone: nothing is read into memory."""
+    from safetensors import safe_open
+
+    n = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                count = 1
+                for dim in f.get_slice(key).get_shape():
+                    count *= int(dim)
+                n += count
+    return 4 * n
+
+
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from the kernel (None where there is no /proc/meminfo)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_model_fits_in_memory(model_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> None:
+    """Refuse, in words, a base model whose float32 weights do not fit in the memory free now:
+    loading it would get the worker killed by the kernel instead. (The offload engine trains
+    such a model; loading, scoring and exporting it in a job do not stream yet.)"""
+    need = fp32_load_bytes(model_dir)
+    free = available_memory_bytes(meminfo)
+    if free is not None and need > free:
+        raise ValueError(
+            f"The base model needs about {need / 1e9:.1f} GB of memory to load and this "
+            f"machine has {free / 1e9:.1f} GB free right now. Close other programs, or choose "
+            "a smaller base model (DOCTUNE_BASE_MODEL)."
+        )
+
+
 def build_tiny_model(out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
     """A tiny random Llama-shaped model with a real tokenizer, saved to `out_dir`.
 

@@ -20,7 +20,12 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.base_model import EMBEDDED_HUB_ID, EMBEDDED_NAME, resolve_base_model
+from worker.base_model import (
+    EMBEDDED_HUB_ID,
+    EMBEDDED_NAME,
+    check_model_fits_in_memory,
+    resolve_base_model,
+)
 from worker.corpus import SourceDoc
 from worker.dataset import build_dataset
 from worker.engine import configure_threads
@@ -199,6 +204,8 @@ def run_pipeline(
             "left. Add more documents or question-answer pairs."
         )
     _check_cancel(hooks)
+    if Path(model_dir).is_dir():
+        check_model_fits_in_memory(Path(model_dir))
     torch.manual_seed(config.seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pad_id = tokenizer.pad_token_id

@@ -196,3 +196,31 @@ def test_tiny_model_is_small_seeded_and_complete(tmp_path_factory, smol_tokenize
         do_sample=False,
     )
     assert out.shape[1] == ids.shape[1] + 4
+
+
+def test_a_model_too_large_for_free_memory_is_refused_in_words(
+    tmp_path_factory, smol_tokenizer, tmp_path
+):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_dir(tmp_path_factory, smol_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # The tied output layer is stored once: the count is of the file's tensors.
+    stored = {p.data_ptr(): p.numel() for p in model.parameters()}
+    need = base_model.fp32_load_bytes(folder)
+    assert need == 4 * sum(stored.values())
+
+    def meminfo(free_bytes: int) -> Path:
+        path = tmp_path / f"meminfo-{free_bytes}"
+        path.write_text(f"MemTotal:  99999999 kB\nMemAvailable: {free_bytes // 1024} kB\n")
+        return path
+
+    base_model.check_model_fits_in_memory(folder, meminfo(need + 2**20))  # fits: no error
+    with pytest.raises(ValueError, match=r"needs about .* GB of memory to load .* GB free"):
+        base_model.check_model_fits_in_memory(folder, meminfo(need // 2))
+    # No /proc/meminfo (another OS): nothing to check against.
+    assert base_model.available_memory_bytes(tmp_path / "missing") is None
+    base_model.check_model_fits_in_memory(folder, tmp_path / "missing")
+    # This machine: the real file, and the tiny model fits.
+    assert base_model.available_memory_bytes() > need
