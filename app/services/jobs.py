@@ -20,6 +20,7 @@ from app.services.documents import model_versions
 from app.services.errors import InvalidInput, NotFound
 from app.services.projects import Corpus, corpus_of
 from app.services.verdict import FORGETTING_RISE, Verdict, verdict
+from app.services.verdict import finite_number as _num
 from app.settings import settings
 from app.training_defaults import LIMITS, METHODS, default_params
 
@@ -432,14 +433,6 @@ def _recall(side: Mapping[str, Any]) -> Recall:
     if n_recalled is None and side.get("recall") is not None:
         n_recalled = round(float(side["recall"]) * n_probes)
     return Recall(int(n_recalled or 0), n_probes)
-
-
-def _num(value: Any) -> float | None:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
 
 
 def _paired_rows(

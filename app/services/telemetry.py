@@ -6,12 +6,12 @@ budget); the job page shows them as one sentence and a few details."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from app.services.uploads import human_size
+from app.services.verdict import finite_number as _num
 
 
 @dataclass
@@ -21,14 +21,6 @@ class MemoryDiskPanel:
     sentence: str
     details: list[tuple[str, str]] = field(default_factory=list)  # (label, value)
     streaming: bool = False
-
-
-def _num(value: Any) -> float | None:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        return None
-    return out if math.isfinite(out) else None
 
 
 def _share(part: float | None, whole: float | None) -> str | None:

@@ -54,7 +54,9 @@ class RecallFigures:
         return self.after / self.n if self.n else 0.0
 
 
-def _num(value: Any) -> float | None:
+def finite_number(value: Any) -> float | None:
+    """`value` as a float, or None when it is missing, not a number, NaN or infinite (scores
+    come from JSON written by the worker)."""
     try:
         out = float(value)
     except (TypeError, ValueError):
@@ -85,8 +87,8 @@ def headline_recall(before: Mapping[str, Any], after: Mapping[str, Any]) -> Reca
 
 def forgetting(before: Mapping[str, Any], after: Mapping[str, Any]) -> float | None:
     """Relative rise of the general-text perplexity (0.25 = 25% worse); None if unmeasured."""
-    b = _num((before.get("general") or {}).get("perplexity"))
-    a = _num((after.get("general") or {}).get("perplexity"))
+    b = finite_number((before.get("general") or {}).get("perplexity"))
+    a = finite_number((after.get("general") or {}).get("perplexity"))
     if b is None or a is None or b <= 0:
         return None
     return a / b - 1
@@ -107,7 +109,7 @@ def verdict(
     rise = forgetting(before, after)
     forgot = rise is not None and rise > FORGETTING_RISE
     epochs = params.get("epochs")
-    lr = _num(params.get("learning_rate"))
+    lr = finite_number(params.get("learning_rate"))
     more_epochs = f" (for example {int(epochs) * 2} epochs instead of {epochs})" if epochs else ""
     fewer_epochs = (
         f" (for example {max(1, int(epochs) // 2)} instead of {epochs})"
@@ -127,7 +129,7 @@ def verdict(
                 else " (no sign of forgetting)."
             )
         )
-    ppl_b, ppl_a = _num(before.get("perplexity")), _num(after.get("perplexity"))
+    ppl_b, ppl_a = finite_number(before.get("perplexity")), finite_number(after.get("perplexity"))
     if ppl_b and ppl_a and ppl_a > ppl_b * (1 + OVERFIT_RISE):
         details.append(
             f"Held-out perplexity rose from {ppl_b:.1f} to {ppl_a:.1f}: the model memorised "
@@ -135,7 +137,7 @@ def verdict(
         )
         advice.append("Train for fewer epochs, or add more documents so it cannot memorise.")
     qa_b, qa_a = before.get("qa") or {}, after.get("qa") or {}
-    f1_b, f1_a = _num(qa_b.get("f1")), _num(qa_a.get("f1"))
+    f1_b, f1_a = finite_number(qa_b.get("f1")), finite_number(qa_a.get("f1"))
     if qa_a.get("n") and f1_b is not None and f1_a is not None:
         details.append(
             f"Your own held-out questions: word overlap {100 * f1_b:.0f}% → {100 * f1_a:.0f}% "

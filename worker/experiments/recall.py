@@ -31,48 +31,31 @@ from pathlib import Path
 
 import torch
 
+_QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
+_LR1 = _QA2 | {"learning_rate": 1e-3}
+_DEFAULT = _LR1 | {"replay": 16}  # the app's default on this corpus (app.training_defaults)
+
 RECIPES: dict[str, dict] = {
     # The defaults before this measurement: document text only.
     "text": {"generated_qa": 0, "method": "lora", "epochs": 8, "learning_rate": 2e-4},
     "text-lr1e-3": {"generated_qa": 0, "method": "lora", "epochs": 8, "learning_rate": 1e-3},
-    "qa2": {"generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 2e-4},
-    "qa2-lr5e-4": {"generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 5e-4},
-    "qa2-lr1e-3": {"generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3},
-    "qa1-lr1e-3-e6": {"generated_qa": 1, "method": "lora", "epochs": 6, "learning_rate": 1e-3},
-    "qa2-lr1e-3-r64": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "lora_rank": 64,
-    },
-    "qa2-full-5e-5": {"generated_qa": 2, "method": "full", "epochs": 4, "learning_rate": 5e-5},
-    # ... plus the base model's own answers to 16 everyday questions (worker.replay).
-    "qa2-lr1e-3-replay": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 16,
-    },
-    "qa2-lr5e-4-replay": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 5e-4, "replay": 16,
-    },
-    # ... with the base model's own answers to all 48 everyday requests.
-    "qa2-lr1e-3-replay48": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 48,
-    },
-    "qa2-lr5e-4-replay48": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 5e-4, "replay": 48,
-    },
-    "qa2-lr1e-3-e2-replay48": {
-        "generated_qa": 2, "method": "lora", "epochs": 2, "learning_rate": 1e-3, "replay": 48,
-    },
-    # Variations on the default (replay 16, batches grouped by length), against forgetting.
-    "default-e3": {
-        "generated_qa": 2, "method": "lora", "epochs": 3, "learning_rate": 1e-3, "replay": 16,
-    },
-    "default-r8": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 16,
-        "lora_rank": 8,
-    },
-    "default-wd": {
-        "generated_qa": 2, "method": "lora", "epochs": 4, "learning_rate": 1e-3, "replay": 16,
-        "weight_decay": 0.1,
-    },
-}  # fmt: skip
+    "qa2": _QA2 | {"learning_rate": 2e-4},
+    "qa2-lr5e-4": _QA2 | {"learning_rate": 5e-4},
+    "qa2-lr1e-3": _LR1,
+    "qa1-lr1e-3-e6": _LR1 | {"generated_qa": 1, "epochs": 6},
+    "qa2-lr1e-3-r64": _LR1 | {"lora_rank": 64},
+    "qa2-full-5e-5": _QA2 | {"method": "full", "learning_rate": 5e-5},
+    # ... plus the base model's own answers to 16 (or 48) everyday requests (worker.replay).
+    "qa2-lr1e-3-replay": _DEFAULT,
+    "qa2-lr5e-4-replay": _DEFAULT | {"learning_rate": 5e-4},
+    "qa2-lr1e-3-replay48": _LR1 | {"replay": 48},
+    "qa2-lr5e-4-replay48": _QA2 | {"learning_rate": 5e-4, "replay": 48},
+    "qa2-lr1e-3-e2-replay48": _LR1 | {"epochs": 2, "replay": 48},
+    # Variations on the default (batches grouped by length), against forgetting.
+    "default-e3": _DEFAULT | {"epochs": 3},
+    "default-r8": _DEFAULT | {"lora_rank": 8},
+    "default-wd": _DEFAULT | {"weight_decay": 0.1},
+}
 
 
 def default_recipe(docs: list) -> dict:
