@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,6 +33,9 @@ class Settings(BaseSettings):
     # Memory (MB) the SSD offload engine may use to train; unset: half of what is free when
     # a job starts (host RAM, or GPU memory when the model is on a GPU).
     offload_budget_mb: int | None = Field(default=None, gt=0)
+    # Whether a job streams the base model's blocks from the disk instead of loading it:
+    # "auto" does when its float32 weights take more than half of the free memory.
+    stream_base_model: Literal["auto", "always", "never"] = "auto"
 
     # The watched folder: one sub-folder per project (a project may name another folder).
     inbox_dir: Path = Field(default=Path.home() / "DocTune" / "inbox")

@@ -19,7 +19,13 @@ from ._io import (
     probe_o_direct,
 )
 from ._plan import Plan, activation_bytes, plan
-from .engine import OffloadBudgetError, OffloadEngine, find_blocks
+from .engine import (
+    OffloadBudgetError,
+    OffloadEngine,
+    find_blocks,
+    is_unloaded,
+    release_parameters,
+)
 
 __all__ = [
     "AdamWConfig",
@@ -32,6 +38,8 @@ __all__ = [
     "Plan",
     "activation_bytes",
     "find_blocks",
+    "is_unloaded",
     "plan",
     "probe_o_direct",
+    "release_parameters",
 ]

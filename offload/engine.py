@@ -116,22 +116,43 @@ def _peak_rss_bytes() -> int | None:
     return None
 
 
-def _unmeta_blocks(blocks: Sequence[torch.nn.Module]) -> set[int]:
-    """Replace the blocks' meta-device parameters by CPU ones of the same shape, dtype and
-    requires_grad that hold no memory (a broadcast NaN, like an unbound parameter), so the
-    engine can page them; returns the ids of the new parameters."""
-    out: set[int] = set()
-    for block in blocks:
-        for mod in block.modules():
-            for name, p in list(mod._parameters.items()):
-                if p is None or p.device.type != "meta":
-                    continue
+def is_unloaded(p: torch.Tensor) -> bool:
+    """True for a parameter that holds no values: on the meta device, or a placeholder
+    (one element broadcast to the parameter's shape, as release_parameters leaves it)."""
+    if p.device.type == "meta":
+        return True
+    return (
+        p.numel() > 1
+        and all(s == 0 for s in p.stride())
+        and p.untyped_storage().nbytes() <= p.element_size()
+    )
+
+
+def release_parameters(module: torch.nn.Module) -> int:
+    """Replace `module`'s meta-device parameters by placeholders of the same shape, dtype and
+    requires_grad that hold no memory (one element, NaN, broadcast). A model too large for
+    memory, built under torch.device("meta") or accelerate's init_empty_weights, can then
+    be wrapped (peft creates real adapters next to them) like a loaded one; the engine
+    creates the values block by block (OffloadEngine's init_weights). Returns how many."""
+    made: dict[int, torch.nn.Parameter] = {}  # a tied parameter stays one parameter
+    for mod in module.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or p.device.type != "meta":
+                continue
+            if id(p) not in made:
                 fill = float("nan") if p.dtype.is_floating_point else 0
                 data = torch.full((1,), fill, dtype=p.dtype).expand(p.shape)
-                new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
-                mod._parameters[name] = new
-                out.add(id(new))
-    return out
+                made[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+            mod._parameters[name] = made[id(p)]
+    return len(made)
+
+
+def _unmeta_blocks(blocks: Sequence[torch.nn.Module]) -> set[int]:
+    """Make the blocks' meta-device parameters placeholders (release_parameters); returns
+    the ids of every block parameter that holds no values, for init_weights to create."""
+    for block in blocks:
+        release_parameters(block)
+    return {id(p) for block in blocks for p in block.parameters() if is_unloaded(p)}
 
 
 class OffloadEngine:
@@ -154,10 +175,13 @@ class OffloadEngine:
         base, blocks whose frozen weights are found there byte for byte (same names, dtype,
         shape) are read from those files directly: no swap copy, nothing ever written.
 
-        `init_weights(name, tensor)`: block parameters on the meta device (a model built
-        under `torch.device("meta")`, too large to exist in memory) are created in their
-        swap page instead, one block at a time: the engine hands each one's page view to
-        init_weights, which fills it in place. Everything outside the blocks must be real."""
+        `init_weights(name, tensor)`: block parameters that hold no values (on the meta
+        device, a model built under `torch.device("meta")` too large to exist in memory, or
+        placeholders from release_parameters) are created in their swap page instead, one
+        block at a time: the engine hands each one's page view to init_weights, which fills
+        it in place. Everything outside the blocks must be real. Such a parameter found in
+        `weights_files` (frozen base) by name, dtype and shape is read from there instead:
+        with nothing to compare, the file is taken as its values."""
         if config is None:
             raise ValueError("an OffloadConfig (budget_bytes, swap_dir) is required")
         self.config = (
@@ -475,6 +499,30 @@ class OffloadEngine:
             else:  # on CUDA, host copies of the resident group too
                 out[k] = t.detach().clone() if self._dev is None else t.detach().cpu()
         return out
+
+    @contextlib.contextmanager
+    def block_weights(self, i: int):
+        """Block i's streamed parameters hold their values (host memory) inside the `with`;
+        outside it they are placeholders again. For reading a model larger than memory one
+        block at a time (export); nothing written to them is kept."""
+        self._check_usable()
+        if self._dev is not None:
+            self._settle_device()
+        self._schedule = []
+        self._pager.cancel_prefetches()
+        layout = self._layouts[i]
+        page = self._pager.get((layout.index, WEIGHT))
+        try:
+            layout.bind(page.tensor)
+            yield self._blocks[i]
+        finally:
+            layout.unbind()
+            self._pager.release(page)
+
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        """The transformer blocks the engine streams, in order."""
+        return list(self._blocks)
 
     def save_checkpoint(self, directory: str | os.PathLike, extra: dict | None = None) -> None:
         """Swap files + resident state + manifest into `directory`, atomically: a crash or a
@@ -949,12 +997,13 @@ class OffloadEngine:
                 e = src.find(slot.name, slot.param)
                 if e is None:
                     break
-                data = torch.empty(e.nbytes, dtype=torch.uint8)
-                if os.preadv(src.fds[e.path], [byte_view(data)], e.offset) != e.nbytes:
-                    break
-                mine = slot.param.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-                if not torch.equal(data, mine):
-                    break
+                if id(slot.param) not in self._meta_params:  # a loaded one must match
+                    data = torch.empty(e.nbytes, dtype=torch.uint8)
+                    if os.preadv(src.fds[e.path], [byte_view(data)], e.offset) != e.nbytes:
+                        break
+                    mine = slot.param.detach().cpu().contiguous().reshape(-1)
+                    if not torch.equal(data, mine.view(torch.uint8)):
+                        break
                 extents.append((src.fds[e.path], e.offset, slot.offset, slot.nbytes))
             else:
                 out[layout.index] = extents

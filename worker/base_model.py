@@ -246,20 +246,6 @@ def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def check_model_fits_in_memory(model_dir: Path, meminfo: Path = Path("/proc/meminfo")) -> None:
-    """Refuse, in words, a base model whose float32 weights do not fit in the memory free now:
-    loading it would get the worker killed by the kernel instead. (The offload engine trains
-    such a model; loading, scoring and exporting it in a job do not stream yet.)"""
-    need = fp32_load_bytes(model_dir)
-    free = available_memory_bytes(meminfo)
-    if free is not None and need > free:
-        raise ValueError(
-            f"The base model needs about {need / 1e9:.1f} GB of memory to load and this "
-            f"machine has {free / 1e9:.1f} GB free right now. Close other programs, or choose "
-            "a smaller base model (DOCTUNE_BASE_MODEL)."
-        )
-
-
 def build_tiny_model(out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
     """A tiny random Llama-shaped model with a real tokenizer, saved to `out_dir`.
 

@@ -244,6 +244,7 @@ class OffloadTrainEngine:
         weights_files: list[str | os.PathLike] | None = None,
         prefetch: int = 2,
         activation_bytes: int | None = None,
+        init_weights=None,
     ) -> None:
         from offload import AdamWConfig, OffloadConfig, OffloadEngine, find_blocks
 
@@ -270,7 +271,11 @@ class OffloadTrainEngine:
             activation_bytes=activation_bytes,
         )
         files = [os.fspath(f) for f in weights_files or []]
-        self.engine = OffloadEngine(model, optim, config, weights_files=files or None)
+        # init_weights: fills the pages of block parameters that hold no values (a model
+        # larger than memory, worker/streamed.py) from the model's files.
+        self.engine = OffloadEngine(
+            model, optim, config, weights_files=files or None, init_weights=init_weights
+        )
 
     @property
     def learning_rate(self) -> float:

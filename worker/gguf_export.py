@@ -18,16 +18,20 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
 
+from worker.tensor_source import TensorSpec, as_source, checked_tensors
+
 FTYPES = {
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
 }
+F16, Q8_0 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.Q8_0
 # SmolLM2's pre-tokenizer as llama.cpp names it (tokenizer.ggml.pre).
 SMOLLM_PRE = "smollm"
 
@@ -125,22 +129,82 @@ def _llama_config(config) -> dict:
     }
 
 
-def _tensor_type(array: np.ndarray, ftype: str) -> gguf.GGMLQuantizationType:
-    if array.ndim < 2:
+def _tensor_type(shape: tuple[int, ...], ftype: str) -> gguf.GGMLQuantizationType:
+    """F32 for 1-D tensors (norms), Q8_0 for `ftype` q8_0 where rows are whole 32-value
+    blocks, F16 otherwise."""
+    if len(shape) < 2:
         return gguf.GGMLQuantizationType.F32
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]  # 32 values
-    if ftype == "q8_0" and array.shape[-1] % block == 0:
+    if ftype == "q8_0" and shape[-1] % block == 0:
         return gguf.GGMLQuantizationType.Q8_0
     return gguf.GGMLQuantizationType.F16
 
 
-def write_gguf(model, tokenizer, path: Path, ftype: str = "f16", name: str = "model") -> Path:
-    """Write `model` (a plain transformers Llama-style causal LM, adapters already merged) as
-    a GGUF file at `path` (atomically: path.tmp, fsync, rename). Raises ValueError for a
-    model this writer does not support."""
+@dataclass(frozen=True)
+class _Planned:
+    """Where one HF tensor goes in the GGUF file (None: not stored)."""
+
+    gguf_name: str
+    kind: gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _plan(spec: TensorSpec, names: gguf.TensorNameMap, tied: bool, ftype: str) -> _Planned | None:
+    """The GGUF name, type and byte size of `spec`, from its name and shape alone (the data
+    is not needed, so the whole file is laid out before any tensor is read)."""
+    hf_name = spec.name
+    if tied and hf_name == "lm_head.weight":
+        return None  # llama.cpp uses token_embd for the output when output is absent
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    gguf_name = names.get_name(hf_name.removesuffix(".weight"))
+    if gguf_name is None or not hf_name.endswith(".weight"):
+        raise ValueError(f"No GGUF name for tensor {hf_name!r}.")
+    shape = tuple(int(d) for d in spec.shape)
+    kind = _tensor_type(shape, ftype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if kind == gguf.GGMLQuantizationType.F32:
+        nbytes = 4 * count
+    elif kind == gguf.GGMLQuantizationType.F16:
+        nbytes = 2 * count
+    else:
+        byte_shape = gguf.quants.quant_shape_to_byte_shape(shape, kind)
+        nbytes = int(np.prod(byte_shape, dtype=np.int64))
+    return _Planned(gguf_name + ".weight", kind, shape, nbytes)
+
+
+def _gguf_array(tensor: torch.Tensor, hf_name: str, kind, hp: dict) -> np.ndarray:
+    """One tensor as the array written to the file: q/k rows permuted, then F32, F16 or
+    packed Q8_0 bytes."""
+    data = tensor.detach().to(torch.float32)
+    if hf_name.endswith("q_proj.weight"):
+        data = permute_rows(data, hp["n_head"])
+    elif hf_name.endswith("k_proj.weight"):
+        data = permute_rows(data, hp["n_head_kv"])
+    array = data.cpu().numpy()
+    if kind == gguf.GGMLQuantizationType.F32:
+        return array.astype(np.float32)
+    if kind == gguf.GGMLQuantizationType.F16:
+        return array.astype(np.float16)
+    return gguf.quants.quantize(array, kind)
+
+
+def write_gguf(
+    model_or_source, tokenizer, path: Path, ftype: str = "f16", name: str = "model"
+) -> Path:
+    """Write a plain transformers Llama-style causal LM (adapters already merged), given as
+    the model or as a TensorSource (worker.tensor_source), as a GGUF file at `path`
+    (atomically: path.tmp, fsync, rename). Raises ValueError for a model this writer does
+    not support, or a source whose tensors are not the ones it listed.
+
+    Two passes, so a model larger than memory can be written: the file's layout (every
+    tensor's name, type, shape and offset) comes from the source's specs, then the tensors
+    are read, converted and written one at a time in the same order."""
     if ftype not in FTYPES:
         raise ValueError(f"Unknown GGUF type {ftype!r}; use one of {sorted(FTYPES)}.")
-    config = model.config
+    source = as_source(model_or_source)
+    config = source.config
     if config.model_type not in ("llama",):
         raise ValueError(
             f"GGUF export supports Llama-architecture models (like SmolLM2); this one is "
@@ -149,6 +213,8 @@ def write_gguf(model, tokenizer, path: Path, ftype: str = "f16", name: str = "mo
     hp = _llama_config(config)
     names = gguf.TensorNameMap(gguf.MODEL_ARCH.LLAMA, hp["n_layer"])
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    specs = source.specs()
+    plan = [_plan(spec, names, tied, ftype) for spec in specs]
     vocab_size = config.vocab_size
     tok = tokenizer_metadata(tokenizer, vocab_size)
 
@@ -184,33 +250,40 @@ def write_gguf(model, tokenizer, path: Path, ftype: str = "f16", name: str = "mo
             writer.add_chat_template(tok["chat_template"])
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-        with torch.no_grad():
-            for hf_name, tensor in model.state_dict().items():
-                if tied and hf_name == "lm_head.weight":
-                    continue  # llama.cpp uses token_embd for the output when output is absent
-                if hf_name.endswith("rotary_emb.inv_freq"):
-                    continue
-                base = hf_name.removesuffix(".weight")
-                gguf_name = names.get_name(base)
-                if gguf_name is None or not hf_name.endswith(".weight"):
-                    raise ValueError(f"No GGUF name for tensor {hf_name!r}.")
-                data = tensor.detach().to(torch.float32)
-                if hf_name.endswith("q_proj.weight"):
-                    data = permute_rows(data, hp["n_head"])
-                elif hf_name.endswith("k_proj.weight"):
-                    data = permute_rows(data, hp["n_head_kv"])
-                array = data.cpu().numpy()
-                kind = _tensor_type(array, ftype)
-                if kind == gguf.GGMLQuantizationType.F32:
-                    writer.add_tensor(gguf_name + ".weight", array.astype(np.float32))
-                elif kind == gguf.GGMLQuantizationType.F16:
-                    writer.add_tensor(gguf_name + ".weight", array.astype(np.float16))
-                else:
-                    packed = gguf.quants.quantize(array, kind)
-                    writer.add_tensor(gguf_name + ".weight", packed, raw_dtype=kind)
+        # Pass 1: the layout. The writer computes each tensor's offset from these byte
+        # sizes (each padded to the file's alignment), so they must be the written sizes.
+        for planned in plan:
+            if planned is None:
+                continue
+            writer.add_tensor_info(  # dtype is ignored where raw_dtype is given
+                planned.gguf_name,
+                planned.shape,
+                np.dtype(np.float16 if planned.kind == F16 else np.float32),
+                planned.nbytes,
+                raw_dtype=planned.kind if planned.kind == Q8_0 else None,
+            )
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+
+        # Pass 2: the data, one tensor in memory at a time (write_tensor_data pads to the
+        # alignment before and after each tensor, as write_tensors_to_file does).
+        # (No zip/enumerate here: their reused result tuple would keep the previous tensor
+        # alive while the source makes the next one.)
+        with torch.no_grad():
+            index = 0
+            for spec, tensor in checked_tensors(source, specs):
+                planned = plan[index]  # checked_tensors yields exactly len(plan), or raises
+                index += 1
+                if planned is None:
+                    del tensor
+                    continue
+                array = _gguf_array(tensor, spec.name, planned.kind, hp)
+                del tensor
+                if array.nbytes != planned.nbytes:  # a bug here, not in the model
+                    raise RuntimeError(f"GGUF size of {spec.name!r} is not as planned.")
+                writer.write_tensor_data(array)
+                del array
         writer.close()
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())

@@ -78,6 +78,29 @@ def lora_params(config, rank: int) -> int:
     return per_block * config.num_hidden_layers
 
 
+# Forwards a streamed base model takes to be scored once (worker/evaluate.py: 24 + 48 + 24
+# generated tokens, a prefill for each, a few perplexity batches) and for the replay
+# answers (96 tokens): each forward reads every block from the disk.
+SCORING_FORWARDS = 110
+REPLAY_FORWARDS = 100
+
+
+def streamed_base(model_dir: str, read_gbps: float, stream: str = "auto") -> dict:
+    """Whether a job streams this base model (worker/streamed.py) and, if so, about how long
+    scoring it before and after training (and the replay answers) takes from the disk."""
+    from worker.base_model import fp32_load_bytes
+    from worker.streamed import should_stream
+
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return {"fp32_bytes": None, "streams": False, "scoring_s": 0.0}
+    fp32 = fp32_load_bytes(folder)
+    streams = should_stream(folder, stream)
+    forwards = 2 * SCORING_FORWARDS + REPLAY_FORWARDS
+    seconds = forwards * fp32 / (read_gbps * 1e9) if streams and read_gbps > 0 else 0.0
+    return {"fp32_bytes": fp32, "streams": streams, "scoring_s": seconds}
+
+
 def build_profile(
     model_dir: str,
     swap_dir: Path,
@@ -85,6 +108,7 @@ def build_profile(
     *,
     disk_mib: int = DISK_MIB,
     base_model: str = "",
+    stream: str = "auto",
 ) -> dict:
     """Measure this machine and plan LoRA and full fine-tuning of `model_dir` on it."""
     from transformers import AutoConfig
@@ -128,6 +152,7 @@ def build_profile(
         "cpu": {"matmul_flops": flops, "compute_efficiency": COMPUTE_EFFICIENCY},
         "reference": {"batch_size": ref.batch_size, "seq_len": ref.max_seq_len},
         "methods": methods,
+        "base": streamed_base(model_dir, read, stream),
     }
 
 
@@ -178,6 +203,7 @@ def measure_and_write(path: Path | None = None, disk_mib: int = DISK_MIB) -> dic
             current_budget_bytes(),
             disk_mib=disk_mib,
             base_model=settings.base_model,
+            stream=settings.stream_base_model,
         )
         write_json_atomic(path, profile)
     return profile

@@ -9,6 +9,7 @@ training resumes from workdir/checkpoint, a finished job returns its result.json
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,19 +21,25 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from worker.base_model import (
-    EMBEDDED_HUB_ID,
-    EMBEDDED_NAME,
-    check_model_fits_in_memory,
-    resolve_base_model,
-)
+from worker.base_model import EMBEDDED_HUB_ID, EMBEDDED_NAME, resolve_base_model
 from worker.corpus import SourceDoc
 from worker.dataset import build_dataset
-from worker.engine import configure_threads
+from worker.engine import auto_budget_bytes, configure_threads
 from worker.evaluate import evaluate
 from worker.export import export_all, model_card
 from worker.recipe import Cancelled, EngineOptions, FineTuneRecipe, Hooks, TrainConfig
 from worker.replay import replay_examples, replay_pairs
+from worker.streamed import (
+    STREAMED_EVAL_BATCH,
+    StreamedSource,
+    WeightsReader,
+    describe,
+    eval_batch_size,
+    load_resident_weights,
+    load_unloaded_model,
+    scoring_engine,
+    should_stream,
+)
 
 __all__ = ["Cancelled", "Hooks", "run_pipeline"]
 
@@ -89,7 +96,7 @@ def _describe_base(base_model: str) -> tuple[str, str, list[str]]:
 
 
 def _add_replay(model, tokenizer, split, n: int, max_seq_len: int, workdir: Path,
-                data_key: str, hooks: Hooks) -> None:
+                data_key: str, hooks: Hooks, batch_size: int = 8) -> None:
     """Add the base model's own answers to `n` everyday prompts to the training examples
     (worker.replay), generated once and kept in workdir/replay.json for a resumed job."""
     key = _fingerprint(data_key, REPLAY_KEY, n)
@@ -98,7 +105,7 @@ def _add_replay(model, tokenizer, split, n: int, max_seq_len: int, workdir: Path
         pairs = [(p, a) for p, a in cached["pairs"]]  # JSON lists back to pairs
     else:
         hooks.on_phase("running", "Noting how the base model answers everyday questions")
-        pairs = replay_pairs(model, tokenizer, n)
+        pairs = replay_pairs(model, tokenizer, n, batch_size=batch_size)
         _write_json(workdir / "replay.json", {"key": key, "pairs": pairs})
     examples = replay_examples(tokenizer, pairs, max_seq_len)
     split.train_examples.extend(examples)
@@ -136,6 +143,7 @@ def run_pipeline(
     budget_bytes: int | None = None,
     start_adapter: Path | None = None,
     start_model: Path | None = None,
+    stream_base: str = "auto",
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
@@ -154,6 +162,10 @@ def run_pipeline(
     "previous" next to "before" and "after": `start_adapter`, a LoRA adapter folder the new
     adapter starts from; `start_model`, a merged model folder (same architecture as the base
     model) whose weights a full fine-tune starts from.
+
+    `stream_base` ("auto", "always", "never"): whether the base model is streamed from the
+    disk instead of loaded (worker/streamed.py); "auto" streams a model whose float32
+    weights take more than half of the free memory. The results are the same either way.
     """
     hooks = hooks or Hooks()
     configure_threads()
@@ -204,26 +216,53 @@ def run_pipeline(
             "left. Add more documents or question-answer pairs."
         )
     _check_cancel(hooks)
-    if Path(model_dir).is_dir():
-        check_model_fits_in_memory(Path(model_dir))
+    streamed = Path(model_dir).is_dir() and should_stream(Path(model_dir), stream_base)
+    reader = None
     torch.manual_seed(config.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if streamed:  # larger than memory: the blocks stay on the disk (worker/streamed.py)
+        log.info("Streaming the base model's blocks from the disk: %s", describe(model_dir))
+        hooks.on_phase("running", "Preparing the base model (larger than memory: streamed)")
+        reader = WeightsReader(Path(model_dir))
+        model = load_unloaded_model(Path(model_dir), reader)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    scoring_budget = (budget_bytes or auto_budget_bytes()) if streamed else 0
+    # Every forward of a streamed model reads it whole: batches as large as memory allows.
+    eval_batch = (
+        eval_batch_size(model.config, scoring_budget, STREAMED_EVAL_BATCH) if streamed else 8
+    )
 
-    cached = _read_json(workdir / "before.json")
-    if cached and cached.get("key") == data_key:
-        before = cached["scores"]
-    else:
-        hooks.on_phase("evaluating", f"Scoring before training ({len(split.probes)} probes)")
-        before = evaluate(model, tokenizer, split)
-        _write_json(workdir / "before.json", {"key": data_key, "scores": before})
-    _check_cancel(hooks)
-    if replay_n:
-        _add_replay(model, tokenizer, split, replay_n, config.max_seq_len, workdir, data_key,
-                    hooks)
+    def score(m) -> dict:
+        return evaluate(m, tokenizer, split, batch_size=eval_batch)
+
+    with contextlib.ExitStack() as scoring:
+        if streamed:
+            scoring.enter_context(scoring_engine(
+                model, reader, scoring_budget, Path(swap_dir or workdir / "swap")))
+        cached = _read_json(workdir / "before.json")
+        if cached and cached.get("key") == data_key:
+            before = cached["scores"]
+        else:
+            hooks.on_phase("evaluating", f"Scoring before training ({len(split.probes)} probes)")
+            before = score(model)
+            _write_json(workdir / "before.json", {"key": data_key, "scores": before})
         _check_cancel(hooks)
+        if replay_n:
+            _add_replay(model, tokenizer, split, replay_n, config.max_seq_len, workdir,
+                        data_key, hooks, eval_batch)
+            _check_cancel(hooks)
+        previous = None
+        if start_adapter is not None:
+            from worker.incremental import score_previous
+
+            previous = _previous_scores(
+                workdir, job_key, hooks,
+                lambda: score_previous(model, tokenizer, split, Path(start_adapter),
+                                       lambda m, t, s: score(m)),
+            )
 
     engine = EngineOptions(
         budget_bytes=budget_bytes,
@@ -232,46 +271,83 @@ def run_pipeline(
         weights_files=sorted(Path(model_dir).glob("*.safetensors"))
         if Path(model_dir).is_dir()
         else [],
+        init_weights=reader.init_weights if reader is not None else None,
     )
-    previous = None
     if start_model is not None:
-        from worker.incremental import load_model_weights
-
         # "before" (and the replay answers) came from the base model; from here on the model
         # is the previous version, which is scored and then trained further.
         hooks.on_phase("running", "Loading the previous version")
-        n_loaded = load_model_weights(model, Path(start_model))
-        log.info("Starting from the previous version's model (%d tensors).", n_loaded)
-        previous = _previous_scores(
-            workdir, job_key, hooks, lambda: evaluate(model, tokenizer, split)
-        )
+        if streamed:
+            start_reader = WeightsReader(Path(start_model))
+            load_resident_weights(model, start_reader)
+            engine.init_weights = start_reader.init_weights
+        else:
+            from worker.incremental import load_model_weights
+
+            n_loaded = load_model_weights(model, Path(start_model))
+            log.info("Starting from the previous version's model (%d tensors).", n_loaded)
         recipe = FineTuneRecipe(model, split.train_examples, config, workdir, hooks, pad_id,
                                 engine)
     elif start_adapter is not None:
-        from worker.incremental import ContinuedRecipe, score_previous
+        from worker.incremental import ContinuedRecipe
 
-        previous = _previous_scores(
-            workdir, job_key, hooks,
-            lambda: score_previous(model, tokenizer, split, Path(start_adapter), evaluate),
-        )
         recipe = ContinuedRecipe(Path(start_adapter), model, split.train_examples, config,
                                  workdir, hooks, pad_id, engine)
     else:
         recipe = FineTuneRecipe(model, split.train_examples, config, workdir, hooks, pad_id,
                                 engine)
     recipe.setup()
-    hooks.on_phase("running", "Training")
-    started = time.perf_counter()
-    train_metrics = recipe.train()
-    log.info("Training took %.1f s in this run.", time.perf_counter() - started)
-    model = recipe.model  # train() closed the engine: the trained weights are back in memory
-    recipe.cleanup()
+    try:
+        if start_model is not None:  # scored through the training engine, before it trains
+            previous = _previous_scores(workdir, job_key, hooks, lambda: score(recipe.model))
+        hooks.on_phase("running", "Training")
+        started = time.perf_counter()
+        # A streamed model stays in its engine for scoring and export.
+        train_metrics = recipe.train(keep_engine=streamed)
+        log.info("Training took %.1f s in this run.", time.perf_counter() - started)
+        model = recipe.model  # in memory again, or still streamed by the open engine
+        if not streamed:
+            recipe.cleanup()
 
-    _check_cancel(hooks)
-    hooks.on_phase("evaluating", "Scoring after training")
-    after = evaluate(model, tokenizer, split)
-    model.eval()
+        _check_cancel(hooks)
+        hooks.on_phase("evaluating", "Scoring after training")
+        after = score(model)
+        model.eval()
+        export_source = StreamedSource(model, recipe.engine.engine) if streamed else None
+        artifacts, export_errors, resolved = _export(
+            model, tokenizer, recipe, config, dataset_args, docs, split, base_model,
+            {"before": before, "after": after}
+            | ({"previous": previous} if previous is not None else {}),
+            workdir, export_source, hooks,
+        )
+    finally:
+        recipe.cleanup(restore=not streamed)
 
+    result = {
+        "params": resolved,
+        "dataset": split.stats,
+        # "previous": the version this job started from, on the same probes (incremental).
+        "scores": {"before": before, "after": after}
+        | ({"previous": previous} if previous is not None else {}),
+        "artifacts": artifacts,
+        "export_errors": export_errors,
+        "metrics": {
+            "train_seconds": train_metrics["train_seconds"],
+            "tokens_per_s": train_metrics["tokens_per_s"],
+            "final_loss": train_metrics["final_loss"],
+            "steps": train_metrics["steps"],
+            "tokens": train_metrics["tokens"],
+        },
+    }
+    _write_json(result_path, {"key": job_key, "result": result})
+    return result
+
+
+def _export(model, tokenizer, recipe, config, dataset_args, docs, split, base_model, scores,
+            workdir: Path, source, hooks: Hooks) -> tuple[dict, dict, dict]:
+    """The model card and every download: (artifacts, export errors, resolved settings).
+    `source`: the trained model tensor by tensor when it is streamed (else None: read from
+    `model` in memory)."""
     _check_cancel(hooks)
     hooks.on_phase("running", "Exporting")
     resolved = (
@@ -292,31 +368,12 @@ def run_pipeline(
             "documents": [
                 {"name": d.name, "sha256": d.sha256, "version": d.version} for d in docs
             ],
-            "scores": {"before": before, "after": after}
-            | ({"previous": previous} if previous is not None else {}),
+            "scores": scores,
             "dataset": {k: v for k, v in split.stats.items() if k != "notes"},
             "notes": notes,
         }
     )
     artifacts, export_errors = export_all(
-        model, tokenizer, workdir / "exports", card, base_model_id=base_id
+        model, tokenizer, workdir / "exports", card, base_model_id=base_id, source=source
     )
-
-    result = {
-        "params": resolved,
-        "dataset": split.stats,
-        # "previous": the version this job started from, on the same probes (incremental).
-        "scores": {"before": before, "after": after}
-        | ({"previous": previous} if previous is not None else {}),
-        "artifacts": artifacts,
-        "export_errors": export_errors,
-        "metrics": {
-            "train_seconds": train_metrics["train_seconds"],
-            "tokens_per_s": train_metrics["tokens_per_s"],
-            "final_loss": train_metrics["final_loss"],
-            "steps": train_metrics["steps"],
-            "tokens": train_metrics["tokens"],
-        },
-    }
-    _write_json(result_path, {"key": job_key, "result": result})
-    return result
+    return artifacts, export_errors, resolved

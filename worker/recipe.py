@@ -77,6 +77,9 @@ class EngineOptions:
     weights_files: list[Path] = field(default_factory=list)
     prefetch: int = 2
     activation_bytes: int | None = None  # None: the engine keeps a quarter of the budget
+    # A model whose blocks hold no values yet (worker/streamed.py): fills a block parameter's
+    # page in the engine, init_weights(name, tensor), from the model's files.
+    init_weights: Callable[[str, torch.Tensor], None] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -293,6 +296,7 @@ class FineTuneRecipe:
             weights_files=list(opts.weights_files),
             prefetch=opts.prefetch,
             activation_bytes=opts.activation_bytes,
+            init_weights=opts.init_weights,
             **common,
         )
         t = engine.telemetry()
@@ -407,24 +411,27 @@ class FineTuneRecipe:
         )
 
     # -- train -------------------------------------------------------------------------------
-    def train(self) -> dict:
+    def train(self, keep_engine: bool = False) -> dict:
         """Run the remaining optimizer steps; returns metrics. Raises Cancelled (after saving a
         checkpoint) when `hooks.should_cancel()` turns true.
 
         Either way the engine is closed on the way out and the model holds its trained
         weights in memory again (scoring and export use it as an ordinary model); after an
-        error the model's state is only good in the last checkpoint."""
+        error the model's state is only good in the last checkpoint. With `keep_engine`
+        a run that finishes leaves the engine open instead (a model larger than memory is
+        scored and exported through it; cleanup(restore=False) closes it)."""
         if self.engine is None:
             raise RuntimeError("call setup() first")
         try:
             self._train_steps()
-        except Cancelled:
-            self._release_engine(restore=True)
+        except Cancelled:  # a streamed model (keep_engine) is not brought into memory
+            self._release_engine(restore=not keep_engine)
             raise
         except BaseException:
             self._release_engine(restore=False)
             raise
-        self._release_engine(restore=True)
+        if not keep_engine:
+            self._release_engine(restore=True)
         return self.metrics()
 
     def _train_steps(self) -> None:
@@ -509,10 +516,11 @@ class FineTuneRecipe:
         self._last_saved_step = self.progress.step
         return self.checkpoint_dir
 
-    def cleanup(self, remove_checkpoint: bool = False) -> None:
-        """Close the engine (the model keeps its weights); with `remove_checkpoint`, delete
-        the run's checkpoints (once the job's results are safely stored)."""
-        self._release_engine(restore=True)
+    def cleanup(self, remove_checkpoint: bool = False, restore: bool = True) -> None:
+        """Close the engine (with `restore` the model keeps its weights); with
+        `remove_checkpoint`, delete the run's checkpoints (once the job's results are safely
+        stored)."""
+        self._release_engine(restore=restore)
         if remove_checkpoint:
             for path in (self.checkpoint_dir, self._tmp_dir, self._old_dir):
                 shutil.rmtree(path, ignore_errors=True)

@@ -22,7 +22,9 @@ def replay_prompts(n: int) -> list[str]:
     return [line.strip() for line in lines if line.strip()][:n]
 
 
-def replay_pairs(model, tokenizer, n: int, max_new_tokens: int = 96) -> list[tuple[str, str]]:
+def replay_pairs(
+    model, tokenizer, n: int, max_new_tokens: int = 96, batch_size: int = 8
+) -> list[tuple[str, str]]:
     """(prompt, the model's own greedy answer) for the first `n` replay prompts."""
     from worker.evaluate import generate
 
@@ -31,7 +33,11 @@ def replay_pairs(model, tokenizer, n: int, max_new_tokens: int = 96) -> list[tup
     model.eval()
     try:
         answers = generate(
-            model, tokenizer, [qa_prompt_ids(tokenizer, p) for p in prompts], max_new_tokens
+            model,
+            tokenizer,
+            [qa_prompt_ids(tokenizer, p) for p in prompts],
+            max_new_tokens,
+            batch_size,
         )
     finally:
         if was_training:

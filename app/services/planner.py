@@ -11,7 +11,9 @@ offload) and scales the per-step figures to a project's corpus and settings:
                the fixture corpus: 146 from 862 words at 2) + replay answers
   steps    = epochs x ceil(examples / batch size)
   time     = steps x time per step: compute scales with the tokens of a step; a model that
-             streams from the SSD takes at least the disk time of a step.
+             streams from the SSD takes at least the disk time of a step. A base model
+             larger than memory is streamed for scoring too: the profile's scoring time
+             (a read of the model per generated token) is added.
 """
 
 from __future__ import annotations
@@ -108,6 +110,11 @@ def estimate(
     per_step = max(compute, float(plan.get("io_s_per_step") or 0.0)) if streams else compute
     seconds = steps * per_step
     where = "Streams from the SSD" if streams else "Fits in memory"
+    base = profile.get("base") or {}
+    if base.get("streams"):  # larger than memory: scored through the SSD too
+        seconds += float(base.get("scoring_s") or 0.0)
+        streams = True
+        where = "Base model larger than memory, streams from the SSD"
     return Estimate(method, f"{where}: {human_duration(seconds)}", seconds, steps, streams)
 
 

@@ -76,6 +76,20 @@ def test_short_qa_batches_cost_less_compute_than_full_chunks():
     assert text.seconds == pytest.approx(2.0)
 
 
+def test_a_base_model_larger_than_memory_adds_its_scoring_time():
+    corpus = Corpus(n_words=10_000)
+    plain = planner.estimates_for(corpus, PROFILE, load=False)
+    big = json.loads(json.dumps(PROFILE))
+    big["base"] = {"fp32_bytes": 30 << 30, "streams": True, "scoring_s": 3600.0}
+    est = planner.estimates_for(corpus, big, load=False)
+    for method in ("lora", "full"):
+        assert est[method].seconds == pytest.approx(plain[method].seconds + 3600.0)
+        assert est[method].streams is True
+        assert est[method].text.startswith("Base model larger than memory, streams from the SSD")
+    big["base"]["streams"] = False  # measured as fitting: nothing added
+    assert planner.estimates_for(corpus, big, load=False)["lora"].seconds == plain["lora"].seconds
+
+
 def test_without_a_profile_or_a_fitting_budget():
     corpus = Corpus(n_words=1000)
     assert planner.estimates_for(corpus, None, load=False)["lora"].text == planner.ESTIMATING

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 import zipfile
 from pathlib import Path
 
@@ -21,9 +22,10 @@ from transformers import (
 )
 
 from tests.worker.conftest_training import text_examples, tiny_model_dir
-from worker.export import export_adapter, export_all, export_merged, model_card
-from worker.gguf_export import tokenizer_metadata, unpermute_rows
+from worker.export import KINDS, export_adapter, export_all, export_merged, model_card
+from worker.gguf_export import tokenizer_metadata, unpermute_rows, write_gguf
 from worker.recipe import FineTuneRecipe, TrainConfig
+from worker.tensor_source import TensorSpec, model_source
 
 PAD = 2
 
@@ -292,7 +294,7 @@ def lora_exports(tiny_dir, tokenizer, tmp_path_factory):
         ftype: unzip_gguf(artifacts[f"gguf-{ftype}"], tmp / ftype) for ftype in ("f16", "q8_0")
     }
     return {"artifacts": artifacts, "errors": errors, "card": card, "merged": merged,
-            "ids": ids, "ggufs": ggufs}
+            "ids": ids, "ggufs": ggufs, "model": model}
 
 
 @pytest.mark.parametrize(("ftype", "tol"), [("f16", 2e-3), ("q8_0", 2e-2)])
@@ -422,3 +424,188 @@ def test_real_model_gguf_has_the_reference_files_metadata(embedded_model_dir, tm
     assert {t.name: list(t.shape) for t in ours.tensors} == {
         t.name: list(t.shape) for t in ref.tensors
     }
+
+
+# --- Exports from a TensorSource (a model read tensor by tensor) ------------------------
+
+
+class LazySource:
+    """A TensorSource over `model` that makes each tensor when it is asked for (a clone), as
+    a streamed model pages its blocks in. `alive_at_request`: how many tensors it had given
+    out were still alive each time the next one was asked for."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.config = model.config
+        self.generation_config = model.generation_config
+        self.alive_at_request: list[int] = []
+        self._given: list[weakref.ref] = []
+
+    def specs(self) -> list[TensorSpec]:
+        return model_source(self.model).specs()
+
+    def tensors(self):
+        for name, value in model_source(self.model).tensors():
+            self.alive_at_request.append(sum(ref() is not None for ref in self._given))
+            item = (name, value.clone())
+            self._given.append(weakref.ref(item[1]))
+            del value
+            yield item
+            del item
+
+
+class ListsAnotherShape(LazySource):
+    def specs(self) -> list[TensorSpec]:
+        specs = super().specs()
+        i = next(i for i, s in enumerate(specs) if s.name.endswith("1.mlp.up_proj.weight"))
+        specs[i] = TensorSpec(specs[i].name, (128, 65), specs[i].dtype)
+        return specs
+
+
+class GivesOneTooFew(LazySource):
+    def tensors(self):
+        items = super().tensors()
+        last = len(self.specs()) - 1
+        for i, item in enumerate(items):
+            if i < last:
+                yield item
+
+
+def untied_model(tiny_dir):
+    """The tiny model with an output head of its own (random), so lm_head is stored."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, tie_word_embeddings=False).eval()
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head.copy_(torch.randn(head.shape, generator=generator))
+    assert head.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+@pytest.mark.parametrize(("ftype", "tied"), [("f16", True), ("q8_0", False)])
+def test_gguf_from_a_lazy_source_is_the_same_file_holding_one_tensor_at_a_time(
+    tiny_dir, tokenizer, tmp_path, ftype, tied
+):
+    model = (
+        AutoModelForCausalLM.from_pretrained(tiny_dir).eval() if tied else untied_model(tiny_dir)
+    )
+    from_model = write_gguf(model, tokenizer, tmp_path / "model.gguf", ftype, "tiny")
+    source = LazySource(model)
+    from_source = write_gguf(source, tokenizer, tmp_path / "source.gguf", ftype, "tiny")
+    assert from_source.read_bytes() == from_model.read_bytes()
+    names = {t.name for t in gguf.GGUFReader(from_source).tensors}
+    assert ("output.weight" in names) is not tied
+    # Every tensor was asked for, and none given out earlier was still held by the writer.
+    assert len(source.alive_at_request) == len(source.specs())
+    assert max(source.alive_at_request) == 0
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_sharded_merged_export_loads_like_the_single_file(tiny_dir, tokenizer, tmp_path):
+    from safetensors import safe_open
+
+    from worker.incremental import load_model_weights, unpack_model
+
+    model = untied_model(tiny_dir)
+    ids = torch.tensor([tokenizer("Payments to Heron", add_special_tokens=False).input_ids])
+    single = unzip(
+        export_merged(model, tokenizer, tmp_path / "single.zip", "card"), tmp_path / "single"
+    )
+    assert (single / "model.safetensors").is_file()
+    assert not (single / "model.safetensors.index.json").exists()
+
+    source, limit = LazySource(model), 100_000  # the 12.6 MB embedding gets a shard alone
+    sharded_zip = export_merged(
+        None, tokenizer, tmp_path / "sharded.zip", "card", source=source, max_shard_bytes=limit
+    )
+    folder = unzip(sharded_zip, tmp_path / "sharded")
+    files = sorted(folder.glob("model-*.safetensors"))
+    n = len(files)
+    assert n >= 4 and not (folder / "model.safetensors").exists()
+    assert [f.name for f in files] == [
+        f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)
+    ]
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    state, per_file = {}, {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            assert fh.metadata() == {"format": "pt"}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}  # noqa: SIM118
+        assert all(index["weight_map"][k] == f.name for k in tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert size <= limit or len(tensors) == 1, f.name
+        state |= tensors
+        per_file[f.name] = len(tensors)
+    assert set(state) == set(index["weight_map"]) == {s.name for s in source.specs()}
+    assert "lm_head.weight" in state  # not tied: stored
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in state.values()
+    )
+    own = model.state_dict()
+    assert all(torch.equal(state[k], own[k]) for k in state)
+    # Only the shard being filled was held: never all the tensors at once.
+    assert max(source.alive_at_request) < max(per_file.values())
+    assert json.loads((folder / "config.json").read_text()) == json.loads(
+        (single / "config.json").read_text()
+    )
+
+    expected = logits(AutoModelForCausalLM.from_pretrained(single), ids)
+    torch.testing.assert_close(expected, logits(model, ids), rtol=0, atol=0)
+    got = logits(AutoModelForCausalLM.from_pretrained(folder), ids)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+    # A later (incremental) full fine-tune starts from this zip: every shard is taken.
+    start = unpack_model(sharded_zip, tmp_path / "start")
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_dir, tie_word_embeddings=False)
+    with torch.no_grad():
+        for param in fresh.parameters():
+            param.zero_()
+    assert load_model_weights(fresh, start) == len(state)
+    torch.testing.assert_close(logits(fresh.eval(), ids), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (ListsAnotherShape, r"1\.mlp\.up_proj\.weight' \[128, 64\].*list says .*\[128, 65\]"),
+        (GivesOneTooFew, r"listed \d+; 'lm_head\.weight' and after are missing"),
+    ],
+)
+def test_a_source_whose_tensors_are_not_its_list_is_refused(
+    tiny_dir, tokenizer, tmp_path, bad, says
+):
+    source = bad(untied_model(tiny_dir))
+    with pytest.raises(ValueError, match=says):
+        write_gguf(source, tokenizer, tmp_path / "m.gguf", "q8_0")
+    with pytest.raises(ValueError, match=says):
+        export_merged(
+            None, tokenizer, tmp_path / "merged.zip", "card", source=source, max_shard_bytes=100_000
+        )
+    assert list(tmp_path.iterdir()) == []  # no file, no temporary left behind
+
+
+def test_export_all_writes_the_merged_and_gguf_downloads_from_the_source(
+    lora_exports, tiny_dir, tokenizer, tmp_path, monkeypatch
+):
+    import worker.export
+
+    def no_merging(model):
+        raise AssertionError("merged_copy must not run when a source is given")
+
+    monkeypatch.setattr(worker.export, "merged_copy", no_merging)
+    lora, ids = lora_exports["model"], lora_exports["ids"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    assert (logits(base, ids) - logits(lora, ids)).abs().max() > 1e-3
+    artifacts, errors = export_all(
+        lora, tokenizer, tmp_path / "out", "card", name="tiny", source=LazySource(base)
+    )
+    assert errors == {} and set(artifacts) == set(KINDS)
+    # The adapter is still the model's own ...
+    with zipfile.ZipFile(artifacts["adapter"]) as zf:
+        assert "adapter_model.safetensors" in zf.namelist()
+    # ... the merged model and the GGUF files are the source's.
+    merged = AutoModelForCausalLM.from_pretrained(unzip(artifacts["merged"], tmp_path / "m"))
+    torch.testing.assert_close(logits(merged, ids), logits(base, ids), rtol=0, atol=0)
+    path, _, _ = unzip_gguf(artifacts["gguf-f16"], tmp_path / "f16")
+    reference = write_gguf(base, tokenizer, tmp_path / "ref.gguf", "f16", "tiny")
+    assert path.read_bytes() == reference.read_bytes()

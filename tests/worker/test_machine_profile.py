@@ -37,9 +37,20 @@ def test_profile_has_sane_numbers(tiny_dir, tmp_path):
     assert lora["bytes_needed"] < full["bytes_needed"]
     assert not list((tmp_path / "swap").iterdir())  # the probe file is gone
 
-    small = mp.build_profile(str(tiny_dir), tmp_path / "swap", 60 << 20, disk_mib=4)
+    assert profile["base"]["streams"] is False and profile["base"]["scoring_s"] == 0
+    assert profile["base"]["fp32_bytes"] > 0
+
+    small = mp.build_profile(
+        str(tiny_dir), tmp_path / "swap", 60 << 20, disk_mib=4, stream="always"
+    )
     assert not small["methods"]["full"]["fits_in_memory"]  # 60 MiB: full must stream
     assert small["methods"]["full"]["io_s_per_step"] > 0
+    # Streamed for scoring too: a read of the model per forward, from the measured disk.
+    base = small["base"]
+    assert base["streams"] is True
+    forwards = 2 * mp.SCORING_FORWARDS + mp.REPLAY_FORWARDS
+    expected = forwards * base["fp32_bytes"] / (small["disk"]["read_gbps"] * 1e9)
+    assert base["scoring_s"] == pytest.approx(expected)
 
 
 def test_lora_parameter_count_matches_peft(tiny_dir):

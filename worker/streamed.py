@@ -1,0 +1,263 @@
+"""A base model larger than memory, in a job: built without its block weights, which the
+offload engine reads one transformer block at a time.
+
+- `should_stream`: a model whose float32 weights take more than half of the memory free
+  now is not loaded (the engine's budget and the scores need the rest).
+- `WeightsReader` + `load_unloaded_model`: the model is built from its config with no
+  values in its blocks (placeholders); embeddings, final norm and output layer are read
+  from its safetensors files. `WeightsReader.init_weights` fills a block's page in the
+  engine from the same files when a block cannot be read from them directly.
+- `scoring_engine`: an engine with nothing to train, for scoring the base model (and a
+  previous version's adapter) and for the replay answers: every forward streams the
+  blocks, so evaluation batches all its prompts together (STREAMED_EVAL_BATCH).
+- `StreamedSource`: the trained model as a TensorSource (worker/tensor_source.py) for the
+  merged and GGUF exports, one block paged in and merged at a time.
+
+Everything here computes what the in-memory path computes (tests/worker/test_streamed.py
+compares a streamed job with an in-memory one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from worker.base_model import available_memory_bytes, fp32_load_bytes
+from worker.tensor_source import TensorSpec
+
+# A model whose float32 weights exceed this share of the free memory is streamed.
+STREAM_SHARE = 0.5
+# Most prompts per generate() call when the blocks stream: each forward reads the whole
+# model, so one batch for everything costs one read of the model per generated token.
+STREAMED_EVAL_BATCH = 64
+# Tokens a scored sequence may reach (prompt + answer), for sizing its KV cache.
+EVAL_SEQ_TOKENS = 512
+# Share of the engine's budget the KV cache of one scoring batch may take.
+KV_SHARE = 0.25
+
+STREAM_SETTINGS = ("auto", "always", "never")
+
+
+def should_stream(
+    model_dir: Path, setting: str = "auto", meminfo: Path = Path("/proc/meminfo")
+) -> bool:
+    """Whether a job streams this base model instead of loading it: `setting` "always",
+    "never" or "auto" (its float32 weights above STREAM_SHARE of the free memory)."""
+    if setting not in STREAM_SETTINGS:
+        raise ValueError(f"Unknown stream setting {setting!r}; use one of {STREAM_SETTINGS}.")
+    if setting != "auto":
+        return setting == "always"
+    free = available_memory_bytes(meminfo)
+    return free is not None and fp32_load_bytes(Path(model_dir)) > STREAM_SHARE * free
+
+
+def kv_bytes_per_token(config) -> int:
+    """Float32 KV-cache bytes one token takes over all layers (keys and values)."""
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 2 * int(config.num_hidden_layers) * kv_heads * head_dim * 4
+
+
+def eval_batch_size(config, budget_bytes: int, cap: int = STREAMED_EVAL_BATCH) -> int:
+    """Prompts to generate for at once with a streamed model: as many as `cap`, as long as
+    their KV cache stays within KV_SHARE of the budget."""
+    per_seq = kv_bytes_per_token(config) * EVAL_SEQ_TOKENS
+    return max(1, min(cap, int(budget_bytes * KV_SHARE) // max(1, per_seq)))
+
+
+def _plain_name(name: str) -> str:
+    """A parameter's name in the model's files: without peft's wrappers."""
+    return name.replace(".base_layer.", ".").removeprefix("base_model.model.")
+
+
+class WeightsReader:
+    """The tensors of a model folder's *.safetensors files, read one at a time by name."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        self.model_dir = Path(model_dir)
+        self.files = sorted(self.model_dir.glob("*.safetensors"))
+        if not self.files:
+            raise ValueError(f"The model in {self.model_dir} has no *.safetensors weights.")
+        self._handles = {}
+        self._where: dict[str, Path] = {}
+        for path in self.files:
+            handle = safe_open(str(path), framework="pt")
+            self._handles[path] = handle
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                self._where[key] = path
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor stored for parameter `name` (peft's wrappers ignored), as stored."""
+        key = name if name in self._where else _plain_name(name)
+        path = self._where.get(key)
+        if path is None:
+            raise ValueError(
+                f"The model's files in {self.model_dir} have no tensor {key!r}: the model "
+                "folder is incomplete or of another architecture than its config.json says."
+            )
+        return self._handles[path].get_tensor(key)
+
+    def init_weights(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` (a page view in the engine) with parameter `name`'s stored values."""
+        value = self.get(name)
+        if tuple(value.shape) != tuple(out.shape):
+            raise ValueError(
+                f"Tensor {_plain_name(name)!r} has shape {tuple(value.shape)} in the model's "
+                f"files, but the model's config makes it {tuple(out.shape)}."
+            )
+        out.copy_(value)
+
+
+def load_unloaded_model(model_dir: Path, reader: WeightsReader | None = None):
+    """The model in `model_dir` with placeholders for its transformer blocks' parameters
+    and real float32 values for everything else (read from `reader`, default its own
+    files). Buffers (rotary frequencies) are computed as from_pretrained computes them."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from offload import find_blocks, release_parameters
+
+    reader = reader or WeightsReader(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # under init_empty_weights the tie is not made
+    release_parameters(model)
+    in_blocks = {id(p) for b in find_blocks(model) for p in b.parameters()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # a tied weight is listed once
+            if id(p) not in in_blocks:
+                p.data = reader.get(name).to(torch.float32)
+    with contextlib.suppress(OSError):  # no generation_config.json: the model's defaults
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    model.eval()
+    return model
+
+
+def load_resident_weights(model: torch.nn.Module, reader: WeightsReader) -> None:
+    """Replace the parameters outside the blocks by those in `reader` (a previous full
+    version's folder: its embeddings, norm and output layer)."""
+    from offload import find_blocks
+
+    in_blocks = {id(p) for b in find_blocks(model) for p in b.parameters()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) not in in_blocks:
+                value = reader.get(name)
+                if tuple(value.shape) != tuple(p.shape):
+                    raise ValueError(
+                        "The previous version's model does not fit the base model "
+                        f"({_plain_name(name)} has another shape). Start from the base model "
+                        "instead."
+                    )
+                p.data = value.to(torch.float32)
+
+
+@contextlib.contextmanager
+def scoring_engine(
+    model: torch.nn.Module, reader: WeightsReader, budget_bytes: int, swap_dir: Path
+) -> Iterator:
+    """An offload engine over `model` with nothing to train, for as long as the `with`
+    lasts: blocks read straight from the model's files where they are stored in float32,
+    else copied into the swap once. The model's requires_grad flags are put back after."""
+    from offload import OffloadConfig, OffloadEngine
+
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        engine = OffloadEngine(
+            model,
+            None,
+            OffloadConfig(budget_bytes=int(budget_bytes), swap_dir=os.fspath(swap_dir)),
+            weights_files=[os.fspath(f) for f in reader.files],
+            init_weights=reader.init_weights,
+        )
+        try:
+            yield engine
+        finally:
+            engine.close()
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+class StreamedSource:
+    """A trained model whose blocks live in an open offload engine, as a TensorSource: the
+    plain model's tensors (LoRA merged in, as peft's merge_and_unload computes them), one
+    block paged in at a time."""
+
+    def __init__(self, model: torch.nn.Module, engine) -> None:
+        from peft import PeftModel
+
+        self.base = model.get_base_model() if isinstance(model, PeftModel) else model
+        self.engine = engine
+        self.config = self.base.config
+        self.generation_config = getattr(self.base, "generation_config", None)
+        paths = {id(m): n for n, m in self.base.named_modules()}
+        self._prefixes = [paths[id(b)] + "." for b in engine.blocks]
+
+    def _entries(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(plain name, own name, tensor) in state_dict order, adapters left out."""
+        out = []
+        for key, t in self.base.state_dict(keep_vars=True).items():
+            if ".lora_" in key or key.endswith("rotary_emb.inv_freq"):
+                continue
+            out.append((key.replace(".base_layer.", "."), key, t))
+        return out
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec(n, tuple(t.shape), t.dtype) for n, _, t in self._entries()]
+
+    def _block_of(self, key: str) -> int | None:
+        for i, prefix in enumerate(self._prefixes):
+            if key.startswith(prefix):
+                return i
+        return None
+
+    def _merged_block(self, i: int) -> dict[str, torch.Tensor]:
+        """Block i's tensors by own state_dict name, adapters merged into their layers."""
+        from peft.tuners.lora import LoraLayer
+
+        prefix = self._prefixes[i]
+        out: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), self.engine.block_weights(i) as block:
+            for key, t in block.state_dict(keep_vars=True).items():
+                out[prefix + key] = t.detach().clone()
+            for mod_name, mod in block.named_modules():
+                if not isinstance(mod, LoraLayer):
+                    continue
+                if any(mod.lora_variant.values()) or any(mod.lora_bias.values()):
+                    raise ValueError("Only plain LoRA adapters can be merged block by block.")
+                key = f"{prefix}{mod_name}.base_layer.weight"
+                for adapter in mod.active_adapters:
+                    if adapter in mod.lora_A:
+                        out[key] += mod.get_delta_weight(adapter)  # as peft's merge does
+        return out
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        current, values = None, {}
+        for plain, key, t in self._entries():
+            i = self._block_of(key)
+            if i is None:
+                yield plain, t.detach().cpu()
+                continue
+            if i != current:
+                current, values = i, self._merged_block(i)
+            yield plain, values.pop(key)
+
+
+def describe(model_dir: Path) -> str:
+    """A line for the log: how big the model is and what is free."""
+    need = fp32_load_bytes(Path(model_dir))
+    free = available_memory_bytes()
+    info = {"fp32_gb": round(need / 1e9, 2), "free_gb": round(free / 1e9, 2) if free else None}
+    return json.dumps(info)
