@@ -36,6 +36,9 @@ class Settings(BaseSettings):
     # Whether a job streams the base model's blocks from the disk instead of loading it:
     # "auto" does when its float32 weights take more than half of the free memory.
     stream_base_model: Literal["auto", "always", "never"] = "auto"
+    # Where training jobs compute: "cpu"; "cuda" (or "auto": the GPU when there is one) puts
+    # the offload engine's blocks on the GPU. Not yet run on a GPU: scripts/cuda_check.sh.
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
 
     # The watched folder: one sub-folder per project (a project may name another folder).
     inbox_dir: Path = Field(default=Path.home() / "DocTune" / "inbox")

@@ -206,10 +206,34 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def auto_budget_bytes(model: torch.nn.Module | None = None, share: float = BUDGET_SHARE) -> int:
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def job_device(setting: str = "cpu") -> torch.device:
+    """Where a job computes: "cpu", "cuda" (refused in words without a usable GPU) or "auto"
+    (the GPU when torch sees one)."""
+    if setting not in DEVICES:
+        raise ValueError(f"Unknown device {setting!r}; use one of {DEVICES}.")
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "DOCTUNE_DEVICE is cuda, but PyTorch sees no CUDA GPU on this machine (no driver, "
+            "or a CPU-only build of torch). Set DOCTUNE_DEVICE=cpu, or auto."
+        )
+    return torch.device(setting)
+
+
+def auto_budget_bytes(
+    model: torch.nn.Module | None = None,
+    share: float = BUDGET_SHARE,
+    device: torch.device | None = None,
+) -> int:
     """The engine's memory budget when none is configured: `share` of the free memory of
-    the device the model is on (CUDA free memory, or the host's available RAM)."""
-    device = next(iter(model.parameters())).device if model is not None else None
+    `device`, else of the device the model is on (CUDA free memory, or the host's available
+    RAM)."""
+    if device is None and model is not None:
+        device = next(iter(model.parameters())).device
     if device is not None and device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * share)
@@ -245,6 +269,8 @@ class OffloadTrainEngine:
         prefetch: int = 2,
         activation_bytes: int | None = None,
         init_weights=None,
+        device: str | None = None,
+        host_budget_bytes: int | None = None,
     ) -> None:
         from offload import AdamWConfig, OffloadConfig, OffloadEngine, find_blocks
 
@@ -269,6 +295,10 @@ class OffloadTrainEngine:
             swap_dir=os.fspath(swap_dir),
             prefetch=prefetch,
             activation_bytes=activation_bytes,
+            # CUDA: blocks compute on the GPU (budget: GPU memory), the page pool is pinned
+            # host memory of host_budget_bytes.
+            device=device,
+            host_budget_bytes=host_budget_bytes,
         )
         files = [os.fspath(f) for f in weights_files or []]
         # init_weights: fills the pages of block parameters that hold no values (a model

@@ -514,6 +514,7 @@ def export_all(
     base_model_id: str | None = None,
     name: str = "model",
     source: TensorSource | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Write every download of a finished job into `folder`: (artifacts, errors).
 
@@ -525,6 +526,8 @@ def export_all(
     memory; the merged and GGUF downloads are written from it and `model` serves only the
     adapter download (a PeftModel; anything else, None included, has no adapter). Without
     it they are written from merged_copy(model), made once after the adapter export.
+    `max_shard_bytes`: the merged model's largest file, and so the most of it in memory at
+    once while it is written.
     """
     from peft import PeftModel
 
@@ -542,7 +545,10 @@ def export_all(
                 if source is None:
                     source = model_source(merged_copy(model))
                 if kind == "merged":
-                    path = export_merged(model, tokenizer, out, card, source=source)
+                    path = export_merged(
+                        model, tokenizer, out, card, source=source,
+                        max_shard_bytes=max_shard_bytes,
+                    )
                 else:
                     ftype = kind.removeprefix("gguf-")
                     path = export_gguf(

@@ -151,7 +151,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               row.hooks(), swap_dir=job_swap_dir(job_id), budget_bytes=budget,
                               start_adapter=plan.start_adapter,
                               start_model=plan.start_model,
-                              stream_base=settings.stream_base_model)
+                              stream_base=settings.stream_base_model,
+                              device=settings.device)
     except Cancelled:
         outcome = (JobState.cancelled, "Cancelled", None)
     except (UserFacingError, ValueError) as exc:

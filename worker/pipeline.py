@@ -24,9 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from worker.base_model import EMBEDDED_HUB_ID, EMBEDDED_NAME, resolve_base_model
 from worker.corpus import SourceDoc
 from worker.dataset import build_dataset
-from worker.engine import auto_budget_bytes, configure_threads
+from worker.engine import auto_budget_bytes, configure_threads, job_device
 from worker.evaluate import evaluate
-from worker.export import export_all, model_card
+from worker.export import MAX_SHARD_BYTES, export_all, model_card
 from worker.recipe import Cancelled, EngineOptions, FineTuneRecipe, Hooks, TrainConfig
 from worker.replay import replay_examples, replay_pairs
 from worker.streamed import (
@@ -144,6 +144,7 @@ def run_pipeline(
     start_adapter: Path | None = None,
     start_model: Path | None = None,
     stream_base: str = "auto",
+    device: str = "cpu",
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
@@ -166,9 +167,12 @@ def run_pipeline(
     `stream_base` ("auto", "always", "never"): whether the base model is streamed from the
     disk instead of loaded (worker/streamed.py); "auto" streams a model whose float32
     weights take more than half of the free memory. The results are the same either way.
+    `device` ("cpu", "cuda", "auto"): where the job computes (worker.engine.job_device).
     """
     hooks = hooks or Hooks()
     configure_threads()
+    dev = job_device(device)
+    cuda = dev.type == "cuda"
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     if not any((d.text or "").strip() or d.qa_pairs for d in docs):
@@ -216,7 +220,9 @@ def run_pipeline(
             "left. Add more documents or question-answer pairs."
         )
     _check_cancel(hooks)
-    streamed = Path(model_dir).is_dir() and should_stream(Path(model_dir), stream_base)
+    streamed = Path(model_dir).is_dir() and should_stream(
+        Path(model_dir), stream_base, device=dev
+    )
     reader = None
     torch.manual_seed(config.seed)
     if streamed:  # larger than memory: the blocks stay on the disk (worker/streamed.py)
@@ -225,11 +231,13 @@ def run_pipeline(
         reader = WeightsReader(Path(model_dir))
         model = load_unloaded_model(Path(model_dir), reader)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    scoring_budget = (budget_bytes or auto_budget_bytes()) if streamed else 0
+    scoring_budget = (budget_bytes or auto_budget_bytes(device=dev)) if streamed else 0
+    # On a GPU the engine's page pool lives in (pinned) host memory: half of what is free.
+    host_budget = auto_budget_bytes(device=torch.device("cpu")) if cuda else None
     # Every forward of a streamed model reads it whole: batches as large as memory allows.
     eval_batch = (
         eval_batch_size(model.config, scoring_budget, STREAMED_EVAL_BATCH) if streamed else 8
@@ -241,7 +249,8 @@ def run_pipeline(
     with contextlib.ExitStack() as scoring:
         if streamed:
             scoring.enter_context(scoring_engine(
-                model, reader, scoring_budget, Path(swap_dir or workdir / "swap")))
+                model, reader, scoring_budget, Path(swap_dir or workdir / "swap"),
+                dev if cuda else None, host_budget))
         cached = _read_json(workdir / "before.json")
         if cached and cached.get("key") == data_key:
             before = cached["scores"]
@@ -272,6 +281,8 @@ def run_pipeline(
         if Path(model_dir).is_dir()
         else [],
         init_weights=reader.init_weights if reader is not None else None,
+        device=str(dev) if cuda else None,
+        host_budget_bytes=host_budget,
     )
     if start_model is not None:
         # "before" (and the replay answers) came from the base model; from here on the model
@@ -319,6 +330,9 @@ def run_pipeline(
             {"before": before, "after": after}
             | ({"previous": previous} if previous is not None else {}),
             workdir, export_source, hooks,
+            # a streamed model is written in shards that fit the activations' share of the
+            # budget (its page pool stays allocated meanwhile)
+            scoring_budget // 8 if streamed else MAX_SHARD_BYTES,
         )
     finally:
         recipe.cleanup(restore=not streamed)
@@ -344,7 +358,8 @@ def run_pipeline(
 
 
 def _export(model, tokenizer, recipe, config, dataset_args, docs, split, base_model, scores,
-            workdir: Path, source, hooks: Hooks) -> tuple[dict, dict, dict]:
+            workdir: Path, source, hooks: Hooks, max_shard_bytes: int
+            ) -> tuple[dict, dict, dict]:
     """The model card and every download: (artifacts, export errors, resolved settings).
     `source`: the trained model tensor by tensor when it is streamed (else None: read from
     `model` in memory)."""
@@ -374,6 +389,7 @@ def _export(model, tokenizer, recipe, config, dataset_args, docs, split, base_mo
         }
     )
     artifacts, export_errors = export_all(
-        model, tokenizer, workdir / "exports", card, base_model_id=base_id, source=source
+        model, tokenizer, workdir / "exports", card, base_model_id=base_id, source=source,
+        max_shard_bytes=max_shard_bytes,
     )
     return artifacts, export_errors, resolved

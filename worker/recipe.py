@@ -80,6 +80,10 @@ class EngineOptions:
     # A model whose blocks hold no values yet (worker/streamed.py): fills a block parameter's
     # page in the engine, init_weights(name, tensor), from the model's files.
     init_weights: Callable[[str, torch.Tensor], None] | None = None
+    # "cuda": blocks compute on the GPU, budget_bytes is GPU memory and host_budget_bytes
+    # (None: half of the free RAM) holds the engine's page pool. None: where the model is.
+    device: str | None = None
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
@@ -288,7 +292,11 @@ class FineTuneRecipe:
         opts = self.engine_options
         if opts.kind == "memory":
             return InMemoryEngine(self.model, **common)
-        budget = opts.budget_bytes or auto_budget_bytes(self.model)
+        device = torch.device(opts.device) if opts.device else None
+        budget = opts.budget_bytes or auto_budget_bytes(self.model, device=device)
+        host_budget = None
+        if device is not None and device.type == "cuda":
+            host_budget = opts.host_budget_bytes or auto_budget_bytes(device=torch.device("cpu"))
         engine = OffloadTrainEngine(
             self.model,
             budget_bytes=budget,
@@ -297,6 +305,8 @@ class FineTuneRecipe:
             prefetch=opts.prefetch,
             activation_bytes=opts.activation_bytes,
             init_weights=opts.init_weights,
+            device=opts.device,
+            host_budget_bytes=host_budget,
             **common,
         )
         t = engine.telemetry()

@@ -22,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,25 +38,37 @@ STREAM_SHARE = 0.5
 # Most prompts per generate() call when the blocks stream: each forward reads the whole
 # model, so one batch for everything costs one read of the model per generated token.
 STREAMED_EVAL_BATCH = 64
-# Tokens a scored sequence may reach (prompt + answer), for sizing its KV cache.
-EVAL_SEQ_TOKENS = 512
-# Share of the engine's budget the KV cache of one scoring batch may take.
-KV_SHARE = 0.25
+# Tokens a scored sequence may reach (prompt + answer), for sizing its KV cache: a probe's
+# context or a question in the chat template, and up to 96 generated tokens.
+EVAL_SEQ_TOKENS = 256
+# Share of the budget the KV cache of one scoring batch may take: inside the quarter the
+# engine keeps for activations (its page pool takes the rest).
+KV_SHARE = 0.2
 
 STREAM_SETTINGS = ("auto", "always", "never")
 
 
 def should_stream(
-    model_dir: Path, setting: str = "auto", meminfo: Path = Path("/proc/meminfo")
+    model_dir: Path,
+    setting: str = "auto",
+    meminfo: Path = Path("/proc/meminfo"),
+    device: torch.device | None = None,
 ) -> bool:
     """Whether a job streams this base model instead of loading it: `setting` "always",
-    "never" or "auto" (its float32 weights above STREAM_SHARE of the free memory)."""
+    "never" or "auto" (its float32 weights above STREAM_SHARE of the free memory, or of the
+    free GPU memory when the job computes on `device` cuda)."""
     if setting not in STREAM_SETTINGS:
         raise ValueError(f"Unknown stream setting {setting!r}; use one of {STREAM_SETTINGS}.")
     if setting != "auto":
         return setting == "always"
+    need = fp32_load_bytes(Path(model_dir))
     free = available_memory_bytes(meminfo)
-    return free is not None and fp32_load_bytes(Path(model_dir)) > STREAM_SHARE * free
+    if free is not None and need > STREAM_SHARE * free:
+        return True
+    if device is not None and device.type == "cuda":
+        gpu_free, _total = torch.cuda.mem_get_info(device)
+        return need > STREAM_SHARE * gpu_free
+    return False
 
 
 def kv_bytes_per_token(config) -> int:
@@ -76,44 +91,109 @@ def _plain_name(name: str) -> str:
     return name.replace(".base_layer.", ".").removeprefix("base_model.model.")
 
 
+# safetensors dtype names (the format's header is JSON: name -> dtype, shape, offsets).
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Stored:
+    fd: int
+    dtype: torch.dtype | None  # None: a dtype torch cannot hold
+    shape: tuple[int, ...]
+    offset: int  # in the file
+    nbytes: int
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 class WeightsReader:
-    """The tensors of a model folder's *.safetensors files, read one at a time by name."""
+    """The tensors of a model folder's *.safetensors files, read one at a time by name with
+    pread (no memory map: pages of a file larger than memory are never mapped in)."""
 
     def __init__(self, model_dir: Path) -> None:
-        from safetensors import safe_open
-
         self.model_dir = Path(model_dir)
         self.files = sorted(self.model_dir.glob("*.safetensors"))
         if not self.files:
             raise ValueError(f"The model in {self.model_dir} has no *.safetensors weights.")
-        self._handles = {}
-        self._where: dict[str, Path] = {}
+        self._index: dict[str, _Stored] = {}
+        fds: list[int] = []
+        self._closer = weakref.finalize(self, _close_all, fds)
         for path in self.files:
-            handle = safe_open(str(path), framework="pt")
-            self._handles[path] = handle
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
-                self._where[key] = path
+            try:
+                with open(path, "rb") as fh:
+                    (n,) = struct.unpack("<Q", fh.read(8))
+                    if n > path.stat().st_size - 8:
+                        raise ValueError("header longer than the file")
+                    header = json.loads(fh.read(n))
+            except (OSError, struct.error, ValueError) as exc:
+                raise ValueError(f"{path.name} is not a readable safetensors file.") from exc
+            fds.append(os.open(path, os.O_RDONLY))
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                begin, end = info["data_offsets"]
+                self._index[key] = _Stored(
+                    fds[-1],
+                    _DTYPES.get(info["dtype"]),
+                    tuple(info["shape"]),
+                    8 + n + begin,
+                    end - begin,
+                )
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor stored for parameter `name` (peft's wrappers ignored), as stored."""
-        key = name if name in self._where else _plain_name(name)
-        path = self._where.get(key)
-        if path is None:
+    def close(self) -> None:
+        self._closer()
+
+    def _stored(self, name: str) -> tuple[str, _Stored]:
+        key = name if name in self._index else _plain_name(name)
+        entry = self._index.get(key)
+        if entry is None:
             raise ValueError(
                 f"The model's files in {self.model_dir} have no tensor {key!r}: the model "
                 "folder is incomplete or of another architecture than its config.json says."
             )
-        return self._handles[path].get_tensor(key)
+        if entry.dtype is None:
+            raise ValueError(f"Tensor {key!r} is stored in a number format DocTune cannot read.")
+        return key, entry
+
+    @staticmethod
+    def _read(entry: _Stored, dest: torch.Tensor) -> None:
+        """Read the entry's bytes into `dest` (a contiguous CPU tensor of that many bytes)."""
+        view = memoryview(dest.view(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < entry.nbytes:
+            n = os.preadv(entry.fd, [view[done:]], entry.offset + done)
+            if n <= 0:
+                raise ValueError("A model file ended early: it is damaged or still being copied.")
+            done += n
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor stored for parameter `name` (peft's wrappers ignored), as stored."""
+        _key, entry = self._stored(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        self._read(entry, out)
+        return out
 
     def init_weights(self, name: str, out: torch.Tensor) -> None:
-        """Fill `out` (a page view in the engine) with parameter `name`'s stored values."""
-        value = self.get(name)
-        if tuple(value.shape) != tuple(out.shape):
+        """Fill `out` (a page view in the engine) with parameter `name`'s stored values:
+        read straight into it when the file holds that dtype, else converted."""
+        key, entry = self._stored(name)
+        if entry.shape != tuple(out.shape):
             raise ValueError(
-                f"Tensor {_plain_name(name)!r} has shape {tuple(value.shape)} in the model's "
-                f"files, but the model's config makes it {tuple(out.shape)}."
+                f"Tensor {key!r} has shape {entry.shape} in the model's files, but the "
+                f"model's config makes it {tuple(out.shape)}."
             )
-        out.copy_(value)
+        if entry.dtype == out.dtype and out.is_contiguous() and out.device.type == "cpu":
+            self._read(entry, out)
+        else:
+            out.copy_(self.get(name))
 
 
 def load_unloaded_model(model_dir: Path, reader: WeightsReader | None = None):
@@ -158,16 +238,23 @@ def load_resident_weights(model: torch.nn.Module, reader: WeightsReader) -> None
                         f"({_plain_name(name)} has another shape). Start from the base model "
                         "instead."
                     )
-                p.data = value.to(torch.float32)
+                p.data = value.to(device=p.device, dtype=torch.float32)
 
 
 @contextlib.contextmanager
 def scoring_engine(
-    model: torch.nn.Module, reader: WeightsReader, budget_bytes: int, swap_dir: Path
+    model: torch.nn.Module,
+    reader: WeightsReader,
+    budget_bytes: int,
+    swap_dir: Path,
+    device: torch.device | None = None,
+    host_budget_bytes: int | None = None,
 ) -> Iterator:
     """An offload engine over `model` with nothing to train, for as long as the `with`
     lasts: blocks read straight from the model's files where they are stored in float32,
-    else copied into the swap once. The model's requires_grad flags are put back after."""
+    else copied into the swap once. The model's requires_grad flags are put back after.
+    On a CUDA `device` the blocks compute on the GPU (budget_bytes: GPU memory) from a page
+    pool of host_budget_bytes."""
     from offload import OffloadConfig, OffloadEngine
 
     flags = [(p, p.requires_grad) for p in model.parameters()]
@@ -177,7 +264,12 @@ def scoring_engine(
         engine = OffloadEngine(
             model,
             None,
-            OffloadConfig(budget_bytes=int(budget_bytes), swap_dir=os.fspath(swap_dir)),
+            OffloadConfig(
+                budget_bytes=int(budget_bytes),
+                swap_dir=os.fspath(swap_dir),
+                device=str(device) if device is not None else None,
+                host_budget_bytes=host_budget_bytes,
+            ),
             weights_files=[os.fspath(f) for f in reader.files],
             init_weights=reader.init_weights,
         )
@@ -240,7 +332,8 @@ class StreamedSource:
                 key = f"{prefix}{mod_name}.base_layer.weight"
                 for adapter in mod.active_adapters:
                     if adapter in mod.lora_A:
-                        out[key] += mod.get_delta_weight(adapter)  # as peft's merge does
+                        delta = mod.get_delta_weight(adapter)  # on the adapter's device
+                        out[key] += delta.to(out[key].device)  # as peft's merge adds it
         return out
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

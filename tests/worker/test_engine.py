@@ -191,3 +191,17 @@ def test_automatic_budget_is_half_the_free_memory():
     budget = auto_budget_bytes()
     assert 0.4 * free < budget <= 0.6 * free
     assert auto_budget_bytes(torch.nn.Linear(2, 2), share=0.25) < budget
+
+
+def test_the_job_device_is_the_gpu_only_where_there_is_one():
+    from worker.engine import job_device
+
+    assert job_device("cpu") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert job_device("auto").type == job_device("cuda").type == "cuda"
+    else:
+        assert job_device("auto") == torch.device("cpu")
+        with pytest.raises(ValueError, match="PyTorch sees no CUDA GPU"):
+            job_device("cuda")
+    with pytest.raises(ValueError, match="Unknown device"):
+        job_device("tpu")

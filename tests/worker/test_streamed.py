@@ -49,6 +49,23 @@ def test_auto_streams_a_model_that_takes_more_than_half_the_free_memory(tiny_dir
         should_stream(tiny_dir, "sometimes")
 
 
+def test_scoring_batches_are_sized_by_the_kv_cache_they_need():
+    from transformers import LlamaConfig
+
+    from worker import streamed
+
+    config = LlamaConfig(
+        hidden_size=2048, num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=8
+    )
+    per_token = 2 * 24 * 8 * 64 * 4  # keys and values, every layer, float32
+    assert streamed.kv_bytes_per_token(config) == per_token
+    per_seq = per_token * streamed.EVAL_SEQ_TOKENS
+    room = 10 * per_seq / streamed.KV_SHARE  # a budget whose KV share holds 10 sequences
+    assert streamed.eval_batch_size(config, int(room)) == 10
+    assert streamed.eval_batch_size(config, 1) == 1  # never zero
+    assert streamed.eval_batch_size(config, 1 << 50) == streamed.STREAMED_EVAL_BATCH
+
+
 def test_unloaded_model_scores_exactly_like_the_loaded_one(tiny_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     loaded = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
@@ -99,6 +116,17 @@ def test_a_missing_tensor_is_refused_in_words(tiny_dir, tmp_path):
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ValueError, match="have no tensor 'model.norm.weight'"):
         load_unloaded_model(folder)
+
+    # A file cut short (a copy still running): refused when a tensor past its end is read.
+    data = (tiny_dir / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) - 4096])
+    reader = WeightsReader(folder)
+    last = max(reader._index, key=lambda k: reader._index[k].offset)
+    with pytest.raises(ValueError, match="ended early"):
+        reader.get(last)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        WeightsReader(folder)
 
 
 def _merged(result: dict) -> dict[str, torch.Tensor]:
