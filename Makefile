@@ -46,7 +46,7 @@ lint: $(VENV)/.test-installed
 # temporary swap for the headline (removed afterwards). The real SmolLM2-135M is converted
 # once into the data dir, as `make up` does. BENCH_ARGS="--skip-headline" for a quick run.
 bench: $(VENV)/.test-installed
-	@model="$$($(PY) -c 'from app.settings import settings; from worker.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
+	@model="$$($(PY) -c 'from app.settings import settings; from worker.training.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
 	  && $(PY) -m offload.bench --model-dir "$$model" $(BENCH_ARGS)
 
 clean-venv:

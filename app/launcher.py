@@ -52,7 +52,7 @@ def run(with_web: bool = True) -> int:
     try:
         if settings.base_model == "embedded":
             print("Preparing the embedded model (first run only)...", flush=True)
-            subprocess.run([sys.executable, "-m", "worker.prepare"], env=env, check=True)
+            subprocess.run([sys.executable, "-m", "worker.cli.prepare"], env=env, check=True)
         if not settings.redis_url:
             procs.append(("redis", start_private_redis(settings.redis_dir,
                                                        settings.private_redis_port)))

@@ -16,11 +16,11 @@ LIMITS = {
 
 
 # The recipe measured on the fixture corpus (README "Making recall real", reproduced by
-# `python -m worker.experiments.recall`): practice questions made from the facts, a
+# `python -m scripts.experiments.recall`): practice questions made from the facts, a
 # LoRA step large enough to learn them in a few epochs, and the base model's own answers to
 # everyday requests replayed alongside.
 GENERATED_QA = 2  # practice questions per fact-bearing sentence (worker.dataset)
-REPLAY = 16  # everyday requests the base model answers once, trained on too (worker.replay)
+REPLAY = 16  # everyday requests the base model answers once, trained on too (worker.training.replay)
 
 
 def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:

@@ -93,7 +93,7 @@ class AdamWConfig:
     no_decay: parameters whose name contains one of these substrings get weight_decay 0
         (e.g. ("norm", "bias")), as a second param group would in plain torch.
     no_decay_1d: parameters with fewer than 2 dimensions (norm gains, biases) get
-        weight_decay 0 (the rule of worker/engine.py's InMemoryEngine).
+        weight_decay 0 (the rule of worker/training/engines.py's InMemoryEngine).
     foreach/fused: passed to torch.optim.AdamW unchanged (None = torch's default).
     """
 

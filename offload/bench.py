@@ -219,7 +219,7 @@ def batches(n: int, batch: int, seq: int, vocab: int) -> list[dict]:
 
 
 def in_memory_step(model) -> Callable[[dict], float]:
-    """The reference: worker/engine.py's InMemoryEngine arithmetic with the HF loss."""
+    """The reference: worker/training/engines.py's InMemoryEngine arithmetic with the HF loss."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": ADAMW.weight_decay},

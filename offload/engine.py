@@ -418,7 +418,7 @@ class OffloadEngine:
 
         loss_fn(model, micro_batch) -> loss tensor; default: the model's own loss from
         `labels`. The batch is split into `micro_batches` slices of ceil(n / micro_batches)
-        rows, as worker/engine.py's InMemoryEngine splits it."""
+        rows, as worker/training/engines.py's InMemoryEngine splits it."""
         self._check_usable()
         batch = self._to_device(batch)
         n = int(batch["input_ids"].shape[0])

@@ -6,7 +6,7 @@
 # Runs tests/offload/test_cuda.py (the engine on the GPU against plain torch on the GPU,
 # peak GPU memory under a budget the training state exceeds, bytes moved) and
 # tests/offload/test_device.py (the same control flow on the CPU, bit for bit), and
-# tests/worker/test_cuda_job.py (whole jobs with DOCTUNE_DEVICE=cuda against the CPU; it
+# tests/worker/jobs/test_cuda_job.py (whole jobs with DOCTUNE_DEVICE=cuda against the CPU; it
 # needs the project's dependencies and the embedded model's wheel, else it is reported as
 # a collection error while the engine's checks still run). The pytest
 # output goes to stderr; stdout gets one JSON line: pass/fail/skip counts, the failures,
@@ -32,7 +32,7 @@ fi
 export OFFLOAD_CUDA_REPORT="$WORK/measured.jsonl"
 START=$(date +%s)
 timeout 280 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs --continue-on-collection-errors \
-  --junitxml="$WORK/junit.xml" tests/offload/test_cuda.py tests/offload/test_device.py tests/worker/test_cuda_job.py >&2
+  --junitxml="$WORK/junit.xml" tests/offload/test_cuda.py tests/offload/test_device.py tests/worker/jobs/test_cuda_job.py >&2
 RC=$?
 END=$(date +%s)
 

@@ -72,7 +72,7 @@ def migrated_db() -> str:
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once into MODEL_CACHE."""
-    from worker.base_model import ensure_embedded_model
+    from worker.training.base_model import ensure_embedded_model
 
     return ensure_embedded_model(MODEL_CACHE)
 
@@ -80,7 +80,7 @@ def embedded_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_base_model(embedded_model_dir) -> Path:
     """A tiny random Llama model with SmolLM2's tokenizer: the base model of app tests."""
-    from worker.base_model import build_tiny_model
+    from worker.training.base_model import build_tiny_model
 
     if not (TINY_MODEL / "config.json").exists():
         build_tiny_model(TINY_MODEL, tokenizer_dir=embedded_model_dir, seed=0)

@@ -29,7 +29,7 @@ def _reconcile_on_start(sender, **_kwargs) -> None:
 
 def _measure_machine() -> None:
     """Measure disk and CPU speed once, in a child process, for the Train button's estimate."""
-    from worker.machine_profile import start_measuring
+    from worker.training.machine_profile import start_measuring
 
     try:
         start_measuring()

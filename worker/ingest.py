@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from app.db import session_scope, utcnow
 from app.models import DocStatus, Document
 from app.settings import settings
-from worker.corpus import SourceDoc
+from worker.dataset.corpus import SourceDoc
 from worker.extract import ExtractionError, extract
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from sqlalchemy import or_, select
 from app.db import session_scope, utcnow
 from app.models import Job, JobState
 from app.queue import TRAIN_TASK, enqueue_after_commit
-from worker.jobs import STALE_AFTER
+from worker.jobs.run import STALE_AFTER
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,6 @@ def ingest_document(doc_id: int) -> str | None:
 
 @celery.task(name=TRAIN_TASK, bind=True)
 def train_job(self, job_id: int) -> str | None:
-    from worker.jobs import run_job
+    from worker.jobs.run import run_job
 
     return run_job(job_id, node=self.request.hostname)

@@ -1,7 +1,7 @@
 """How long training will take on this machine: the line next to the Train button.
 
 The training worker measures the machine once (disk and CPU speed) and plans LoRA and full
-fine-tuning of the base model at a reference batch (worker/machine_profile.py); it writes
+fine-tuning of the base model at a reference batch (worker/training/machine_profile.py); it writes
 the result to `settings.machine_profile_path`. This module reads that file (never torch or
 offload) and scales the per-step figures to a project's corpus and settings:
 
@@ -33,7 +33,7 @@ from app.training_defaults import METHODS, default_params
 
 TOKENS_PER_WORD = 1.4
 TOKENS_PER_QA = 60  # a short question and answer in the chat template
-# Practice questions made from fact-bearing sentences (worker/dataset.make_generated_qa), per
+# Practice questions made from fact-bearing sentences (worker/dataset/build.py), per
 # word of text and per question asked of each fact: 146 from the 862 words of the fixture
 # corpus (tests/fixtures/docs.py) at generated_qa = 2. Real documents state fewer facts per
 # word than that corpus does, so this errs long.

@@ -14,7 +14,7 @@ from app.settings import settings
 
 from .factories import htmx, make_document, make_project
 
-# As worker/machine_profile.py writes it: LoRA fits in memory, full fine-tuning streams.
+# As worker/training/machine_profile.py writes it: LoRA fits in memory, full fine-tuning streams.
 PROFILE = {
     "format": 1,
     "measured_at": "2025-01-01T00:00:00+00:00",

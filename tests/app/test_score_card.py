@@ -20,7 +20,7 @@ def full_scores(
     general: tuple[float, float] = (20.0, 21.0),
     qa: bool = True,
 ) -> dict[str, Any]:
-    """Scores as worker.evaluate writes them (one dict per side, plus dataset notes)."""
+    """Scores as worker.scoring.evaluate writes them (one dict per side, plus dataset notes)."""
 
     def side(hits: int, tuned: bool) -> dict[str, Any]:
         items = [

@@ -10,7 +10,7 @@ from .factories import htmx, make_job, make_project
 
 GB = 2**30
 
-# What worker.engine.OffloadTrainEngine.telemetry() reports (a subset is enough).
+# What worker.training.engines.OffloadTrainEngine.telemetry() reports (a subset is enough).
 STREAMING = {
     "mode": "full",
     "streaming": True,

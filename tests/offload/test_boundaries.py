@@ -13,7 +13,7 @@ PKG = Path(offload.__file__).parent
 
 # The benchmark command (offload/bench.py) builds real models to measure the engine with:
 # it may import these inside its functions, never at module level, so the library and
-# `import offload.bench` (worker/machine_profile.py uses its disk_bench) stay torch-only.
+# `import offload.bench` (worker/training/machine_profile.py uses its disk_bench) stay torch-only.
 BENCH_ONLY = {"transformers", "peft"}
 
 

@@ -74,7 +74,7 @@ def test_full_finetune_bitwise_equal_to_in_memory(tmp_path, clip, o_direct):
 
 
 def test_micro_batches_custom_loss_schedule_and_clip(tmp_path):
-    """The recipe's arithmetic (worker/engine.py's InMemoryEngine): summed loss over the
+    """The recipe's arithmetic (worker/training/engines.py's InMemoryEngine): summed loss over the
     batch's label tokens, gradient accumulation over micro-batches, clipping, 1-D
     parameters without weight decay, a learning rate set before each step; tied
     embeddings, as SmolLM2 has."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.base_model import build_tiny_model
+from worker.training.base_model import build_tiny_model
 
 _BUILT: dict[str, Path] = {}
 

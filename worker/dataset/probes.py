@@ -1,0 +1,452 @@
+"""Knowledge-recall probes: cloze-style questions cut from the documents' own sentences.
+
+A probe is a sentence cut just before a distinctive span (a number with units, a code,
+a name, an email, a date): the model sees the text before the span and counts when it
+continues with the span. Spans that could be guessed without knowing the fact (the
+first word of a sentence, a lone digit, a word already in the prompt, a common word
+that happens to be capitalised) are never used. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, replace
+
+from worker.dataset.corpus import Probe
+from worker.dataset.questions import Fact, probe_question
+
+
+def _words(text: str) -> frozenset[str]:
+    return frozenset(text.split())
+
+
+# Words that end in a period without ending the sentence.
+_ABBREVIATIONS = _words(
+    """
+    mr mrs ms dr prof sr jr st no nr vs etc inc ltd co corp approx dept est fig e.g i.e cf
+    al jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun p pp vol
+    art sec ref
+    """
+)
+
+_MONTHS = (
+    "January|February|March|April|May|June|July|August|September|October|November|December"
+    "|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec"
+)
+_DAY_NAMES = {"monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"}
+_MONTH_NAMES = {m.lower() for m in _MONTHS.split("|")}
+
+# Lower-case words that are not a unit after a number ("3 of 10", "5 and").
+_NOT_UNITS = _words(
+    """
+    a an and are as at be but by for from if in into is it of on or so than that the then
+    this to was were will with per each more less after before until
+    """
+)
+
+# Capitalised words that are ordinary English, not names ("Please", "The", "Our").
+_COMMON_WORDS = _words(
+    """
+    a about above after again against all also always am an and any are as at be because
+    been before being below between both but by can could did do does doing done down
+    during each either every few for from further had has have having he her here hers him
+    his how however i if in into is it its itself just may me might more most must my
+    neither never no nor not now of off on once only or other our ours out over own please
+    same she should since so some such than that the their them then there these they this
+    those through thus to too under until up upon very was we were what when where whether
+    which while who whom whose why will with within without would yes yet you your note
+    see section chapter page table figure step item part total yes okay ok all each mr mrs
+    ms dr prof sir madam
+    first second third last next today tomorrow yesterday welcome thank thanks dear hello
+    hi regards sincerely summary introduction overview conclusion contents appendix ask
+    call contact email phone send write visit read use talk speak meet submit check go find
+    get make take give tell let keep
+    """
+)
+
+# Units a quantity may end in after a describing word ("14 business days").
+_UNIT_WORDS = _words(
+    """
+    second seconds minute minutes hour hours day days week weeks month months year years
+    km m cm mm kg g mg lb lbs ton tons tonnes litre litres liter liters ml gallons miles
+    meters metres feet foot inches points credits hours seats users licences licenses
+    """
+)
+
+_NAME_CONNECTORS = {"of", "de", "du", "da", "del", "der", "den", "van", "von", "la", "le", "&"}
+
+_NUM = r"\d{1,3}(?:[,\u202f]\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+_CURRENCY_WORDS = r"USD|EUR|GBP|CHF|JPY|CAD|AUD|dollars?|euros?|pounds?|francs?|yen"
+
+# (kind, compiled pattern); earlier kinds win when spans overlap.
+_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    ("email", re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")),
+    (
+        "date",
+        re.compile(
+            r"\b\d{4}-\d{2}-\d{2}\b"
+            r"|\b\d{1,2}[/.]\d{1,2}[/.]\d{2,4}\b"
+            rf"|\b\d{{1,2}}(?:st|nd|rd|th)?\s+(?:{_MONTHS})\.?(?:,?\s+\d{{4}})?\b"
+            rf"|\b(?:{_MONTHS})\.?\s+\d{{1,2}}(?:st|nd|rd|th)?(?:,?\s+\d{{4}})?\b"
+            rf"|\b(?:{_MONTHS})\s+\d{{4}}\b"
+        ),
+    ),
+    (
+        "money",
+        re.compile(
+            rf"[$€£¥]\s?(?:{_NUM})(?:\s?(?:k|K|m|M|bn|million|billion)\b)?"
+            rf"|\b(?:{_NUM})\s?(?:{_CURRENCY_WORDS})\b"
+            rf"|\b(?:USD|EUR|GBP|CHF)\s?(?:{_NUM})"
+        ),
+    ),
+    ("percent", re.compile(rf"\b(?:{_NUM})\s?(?:%|percent\b|per cent\b)")),
+    ("time", re.compile(r"\b\d{1,2}[:.]\d{2}(?:\s?[ap]\.?m\b\.?)?|\b\d{1,2}\s?[ap]\.?m\b\.?")),
+    # Phone numbers: 7+ digits in groups ("+33 4 78 00 12 34", "555-0134 12").
+    ("phone", re.compile(r"(?<![\w.])\+?\(?\d[\d\s().-]{5,}\d(?![\w])")),
+    # Codes: letters and digits mixed ("NW-4471", "ISO 9001", "A12B", "v2.1").
+    (
+        "code",
+        re.compile(
+            r"\b[A-Z]{2,}[-/ ]?\d[\w-]*\b"
+            r"|\b[A-Z]+\d+[A-Z\d-]*\b"
+            r"|\b\d+[A-Z]+[A-Z\d-]*\b"
+            r"|\bv\d+(?:\.\d+)+\b"
+        ),
+    ),
+    # A number followed by a unit-like word ("36 months", "5 kg", "12 employees").
+    (
+        "quantity",
+        re.compile(
+            rf"\b(?:{_NUM})(?:\s?[-–]\s?(?:{_NUM}))?\s?"
+            r"(?:[a-zµ°][a-zA-Z]*|(?:GB|MB|TB|KB|kB|W|kW|MW|kWh|V|mAh|Hz|kHz|MHz|GHz)\b)"
+            r"(?:\s[a-z]+)?"
+        ),
+    ),
+    ("number", re.compile(rf"\b(?:{_NUM})\b")),
+    (
+        "name",
+        re.compile(
+            r"\b[A-Z][\w'’.-]*[A-Za-z0-9]"
+            r"(?:\s+(?:(?:of|de|du|da|del|der|den|van|von|la|le|&)\s+)?[A-Z][\w'’.-]*[A-Za-z0-9])*"
+        ),
+    ),
+]
+
+_KIND_RANK = {
+    "email": 0,
+    "phone": 0,
+    "time": 1,
+    "code": 0,
+    "money": 0,
+    "percent": 0,
+    "date": 1,
+    "quantity": 1,
+    "number": 2,
+    "name": 2,
+}
+
+_MIN_PREFIX_WORDS = 3  # fewer words than this before the span: add the previous sentence
+_MAX_PROMPT_WORDS = 60  # keep prompts short; the end of the sentence matters most
+
+
+@dataclass
+class _Candidate:
+    doc: int
+    position: int  # sentence index within the document
+    prompt: str
+    answer: str
+    sentence: str
+    fact: Fact  # the same span, for asking it as a question
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split text into sentences: on . ! ? followed by a capital/digit, on blank lines and
+    on line breaks that look like the end of a line item (not a wrapped line)."""
+    sentences: list[str] = []
+    for para in re.split(r"\n\s*\n", text):
+        lines = [ln.strip() for ln in para.split("\n") if ln.strip()]
+        # Re-join lines wrapped mid-sentence (the next line starts in lower case).
+        blocks: list[str] = []
+        for line in lines:
+            if blocks and (line[0].islower() or blocks[-1].endswith((",", "-", "–"))):
+                blocks[-1] = blocks[-1] + " " + line
+            else:
+                blocks.append(line)
+        for block in blocks:
+            sentences.extend(_split_block(block))
+    return [s for s in sentences if s]
+
+
+def _split_block(block: str) -> list[str]:
+    out: list[str] = []
+    start = 0
+    for m in re.finditer(r"[.!?][\"')\]’”]*\s+(?=[\"'(\[‘“]?[A-Z0-9])", block):
+        before = block[start : m.start()]
+        last_word = re.split(r"\s", before)[-1].lower().rstrip(".") if before else ""
+        if block[m.start()] == "." and (
+            last_word in _ABBREVIATIONS or re.fullmatch(r"[a-z]", last_word or "x")
+        ):
+            continue
+        out.append(block[start : m.end()].strip())
+        start = m.end()
+    out.append(block[start:].strip())
+    return out
+
+
+def normalise(text: str) -> str:
+    """Casefold, collapse whitespace, strip punctuation at both ends: the form answers
+    and model outputs are compared in."""
+    text = re.sub(r"\s+", " ", text.casefold()).strip()
+    return re.sub(r"^[\W_]+|[\W_]+$", "", text)
+
+
+def contains_answer(output: str, answer: str) -> bool:
+    """True when the normalised answer appears in the normalised output as whole words
+    ("36" is not found inside "360"). An empty answer never counts."""
+    a, o = normalise(answer), normalise(output)
+    if not a:
+        return False
+    return re.search(r"(?<!\w)" + re.escape(a) + r"(?!\w)", o) is not None
+
+
+def _find_spans(sentence: str) -> list[tuple[int, int, str]]:
+    """Distinctive spans of the sentence, non-overlapping, earlier pattern kinds first."""
+    taken = [False] * len(sentence)
+    spans: list[tuple[int, int, str]] = []
+    for kind, pattern in _PATTERNS:
+        for m in pattern.finditer(sentence):
+            s, e = m.start(), m.end()
+            text = m.group(0).rstrip(".,;:")
+            e = s + len(text)
+            if e <= s or any(taken[s:e]):
+                continue
+            span = _accept(kind, sentence, s, e)
+            if span is None:
+                continue
+            s, e = span
+            spans.append((s, e, kind))
+            for i in range(s, e):
+                taken[i] = True
+    return sorted(spans)
+
+
+def _accept(kind: str, sentence: str, s: int, e: int) -> tuple[int, int] | None:
+    """Check one span is worth asking about; may trim it. None = reject."""
+    text = sentence[s:e]
+    if kind == "quantity":
+        # "<number> <unit>" or "<number> <word> <unit>" ("14 business days").
+        number = re.match(rf"(?:{_NUM})(?:\s?[-–]\s?(?:{_NUM}))?\s?", text)
+        assert number is not None
+        words = text[number.end() :].split()
+        unit = words[0].rstrip(".").lower()
+        if unit in _NOT_UNITS or unit in _COMMON_WORDS or unit in _MONTH_NAMES:
+            return None
+        if len(words) == 2 and (unit in _UNIT_WORDS or words[1].lower() not in _UNIT_WORDS):
+            e = s + number.end() + len(words[0])
+    if kind == "phone":
+        digits = sum(c.isdigit() for c in text)
+        grouped = len(re.findall(r"[\s().-]+", text)) >= 2 or re.fullmatch(r"\d{3}-\d{4}", text)
+        if digits < 7 or not (text.startswith("+") or grouped):
+            return None
+    if kind == "number":
+        digits = sum(c.isdigit() for c in text)
+        # A bare 1- or 2-digit number is too easy to hit by chance ("3", "10").
+        if digits < 3:
+            return None
+    if kind == "name":
+        words = text.split()
+        # Drop leading common words ("The Acme Group" -> "Acme Group").
+        while words and words[0].lower().strip(".'’") in _COMMON_WORDS:
+            s += len(words[0])
+            s += len(sentence[s:]) - len(sentence[s:].lstrip())
+            words = words[1:]
+        while words and (
+            words[-1].lower() in _COMMON_WORDS or words[-1].lower() in _NAME_CONNECTORS
+        ):
+            words = words[:-1]
+        for k, w in enumerate(words):
+            if re.search(r"['’]s$", w) and len(w) > 3:  # possessive: "Acme's CFO" -> "Acme"
+                words = words[:k] + [w[:-2]]
+                break
+        if not words:
+            return None
+        e = _end_of_words(sentence, s, words)
+        lowered = [w.lower().strip(".'’") for w in words]
+        if len(words) == 1 and (
+            lowered[0] in _COMMON_WORDS or lowered[0] in _DAY_NAMES or lowered[0] in _MONTH_NAMES
+        ):
+            return None
+    if e - s < 2:
+        return None
+    # The span must start a word: a prompt ending in "555-" or "NW" gives half of it away.
+    if s > 0 and not sentence[s - 1].isspace() and sentence[s - 1] not in "([{\"'“‘":
+        return None
+    return s, e
+
+
+def _end_of_words(sentence: str, s: int, words: list[str]) -> int:
+    """End offset of `words` matched in order from `s` (names may hold extra spaces)."""
+    pos = s
+    for w in words:
+        pos = sentence.index(w, pos) + len(w)
+    return pos
+
+
+def _letters_ratio(text: str) -> float:
+    visible = [c for c in text if not c.isspace()]
+    return sum(c.isalpha() for c in visible) / max(1, len(visible))
+
+
+def _candidates_for_doc(doc: int, text: str) -> list[list[_Candidate]]:
+    """Per usable sentence, its candidate probes, best first (a span with at least a few
+    words before it, then the more distinctive kind, then the later span)."""
+    sentences = split_sentences(text)
+    lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))  # words the document writes in lower case
+    out: list[list[_Candidate]] = []
+    for i, sentence in enumerate(sentences):
+        if len(sentence) > 600 or _letters_ratio(sentence) < 0.5 or sentence.count("|") >= 2:
+            continue  # tables, lists of figures, run-on extraction junk
+        if len(sentence.split()) < 6 and not sentence.rstrip("\"')”’").endswith((".", "!", "?")):
+            continue  # a heading ("Careers at Northwind Widgets"): no fact to ask about
+        ranked: list[tuple[tuple[int, int, int], _Candidate]] = []
+        for s, e, kind in _find_spans(sentence):
+            if kind == "name" and " " not in sentence[s:e] and sentence[s:e].lower() in lowered:
+                continue  # "Handbook" here, "handbook" elsewhere: a common noun, not a name
+            cand = _make_candidate(doc, i, sentences, s, e, kind, lowered)
+            if cand is not None:
+                prefix_words = len(sentence[:s].split())
+                ranked.append(((min(prefix_words, _MIN_PREFIX_WORDS), -_KIND_RANK[kind], s), cand))
+        if ranked:
+            ranked.sort(key=lambda kc: kc[0], reverse=True)
+            out.append([c for _, c in ranked])
+    return out
+
+
+def _make_candidate(
+    doc: int, i: int, sentences: list[str], s: int, e: int, kind: str, lowered: set[str]
+) -> _Candidate | None:
+    sentence = sentences[i]
+    answer = sentence[s:e].strip()
+    prefix = sentence[:s].rstrip()
+    # The span is the first word: nothing in the sentence to condition on.
+    if not re.search(r"[A-Za-z]{2,}", prefix):
+        return None
+    if len(normalise(answer)) < 2:
+        return None
+    if contains_answer(prefix, answer):
+        return None
+    prompt = prefix
+    if len(prefix.split()) < _MIN_PREFIX_WORDS and i > 0:
+        context = sentences[i - 1]
+        # Never hand the answer over in the context sentence.
+        if not contains_answer(context, answer) and len(context) <= 400:
+            prompt = context + " " + prefix
+    words = prompt.split()
+    if len(words) > _MAX_PROMPT_WORDS:
+        prompt = " ".join(words[-_MAX_PROMPT_WORDS:])
+    context = _context_for(sentences, i, answer)
+    first = sentence.split()[0] if sentence.split() else ""
+    fact = Fact(
+        sentence=sentence,
+        start=s,
+        end=s + len(answer),
+        kind=kind,
+        context=context,
+        lower_first=first.lower() in lowered,
+    )
+    return _Candidate(
+        doc=doc, position=i, prompt=prompt, answer=answer, sentence=sentence, fact=fact
+    )
+
+
+_PRONOUN_STARTS = ("it ", "its ", "they ", "their ", "this ", "these ", "he ", "she ", "then ")
+
+
+def _context_for(sentences: list[str], i: int, answer: str) -> str:
+    """The nearest earlier sentence (up to 3 back) that does not itself start with a
+    pronoun: what "It costs $129.50" is about. "" when there is none or it gives the
+    answer away."""
+    for j in range(i - 1, max(-1, i - 4), -1):
+        s = sentences[j]
+        if not s.lower().startswith(_PRONOUN_STARTS):
+            if len(s) <= 400 and not contains_answer(s, answer):
+                return s
+            return ""
+    return ""
+
+
+def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0) -> list[Probe]:
+    """Up to `max_probes` recall probes from (name, text) documents.
+
+    Deterministic for a given input and seed. Probes are spread round-robin across
+    documents, one per sentence at most; duplicated prompts or answers are dropped (a
+    repeated answer would let one memorised phrase score twice, a repeated prompt with
+    different answers has no single right answer). Returned in document order.
+    """
+    if max_probes <= 0:
+        return []
+    per_doc = [_candidates_for_doc(d, text) for d, (_, text) in enumerate(docs)]
+
+    # Prompts that occur with more than one answer are ambiguous: never used.
+    answers_by_prompt: dict[str, set[str]] = {}
+    for sentences in per_doc:
+        for cands in sentences:
+            for c in cands:
+                answers_by_prompt.setdefault(normalise(c.prompt), set()).add(normalise(c.answer))
+    ambiguous = {p for p, answers in answers_by_prompt.items() if len(answers) > 1}
+
+    # One probe per sentence: its best unambiguous candidate.
+    rng = random.Random(seed)
+    queues: list[list[_Candidate]] = []
+    for sentences in per_doc:
+        kept = []
+        for cands in sentences:
+            usable = [c for c in cands if normalise(c.prompt) not in ambiguous]
+            if usable:
+                kept.append(usable[0])
+        rng.shuffle(kept)
+        queues.append(kept)
+
+    chosen: list[_Candidate] = []
+    seen_prompts: set[str] = set()
+    seen_answers: set[str] = set()
+    while len(chosen) < max_probes and any(queues):
+        for queue in queues:
+            while queue and len(chosen) < max_probes:
+                c = queue.pop(0)
+                p, a = normalise(c.prompt), normalise(c.answer)
+                if p in seen_prompts or a in seen_answers:
+                    continue
+                seen_prompts.add(p)
+                seen_answers.add(a)
+                chosen.append(c)
+                break
+    chosen.sort(key=lambda c: (c.doc, c.position))
+    probes = []
+    for c in chosen:
+        fact = replace(c.fact, source=docs[c.doc][0])
+        template, question = probe_question(fact)
+        probes.append(
+            Probe(
+                prompt=c.prompt,
+                answer=c.answer,
+                source=fact.source,
+                sentence=c.sentence,
+                question=question,
+                template=template,
+            )
+        )
+    return probes
+
+
+def fact_spans(docs: list[tuple[str, str]]) -> list[Fact]:
+    """Every askable fact of (name, text) documents: each distinctive span of each usable
+    sentence that passes the probes' checks (not the first word, not given away by the
+    text before it, not an ambiguous prompt). Training questions are made from these."""
+    facts: list[Fact] = []
+    for d, (name, text) in enumerate(docs):
+        for cands in _candidates_for_doc(d, text):
+            for c in cands:
+                facts.append(replace(c.fact, source=name))
+    return facts

@@ -1,1 +1,0 @@
-"""Measurements that choose DocTune's defaults (run by hand; they print figures)."""

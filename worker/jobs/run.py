@@ -1,0 +1,203 @@
+"""Run one training job: claim its row, run the pipeline, record progress and results.
+
+The database row is the truth. This module turns the pipeline's hooks into row updates
+(throttled, so a fast tiny model does not hammer SQLite) and its outcome into a final
+state the user can read: done, failed (with a reason in words) or cancelled."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy import update
+
+from app.db import session_scope, utcnow
+from app.models import Job, JobState
+from app.settings import settings
+from offload import OffloadBudgetError, OffloadDiskFullError
+from worker.ingest import load_source_docs
+from worker.jobs.inputs import plan_inputs
+from worker.jobs.pipeline import Cancelled, Hooks, run_pipeline
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_EVERY_S = 2.0
+# A job whose heartbeat is older than this belongs to a dead worker (see reconcile.py).
+STALE_AFTER = timedelta(minutes=10)
+
+
+class UserFacingError(Exception):
+    """An error whose message is written for the user."""
+
+
+def job_workdir(job_id: int) -> Path:
+    return settings.jobs_dir / str(job_id)
+
+
+def job_swap_dir(job_id: int) -> Path:
+    """Where the offload engine pages while the job trains (removed when it ends)."""
+    return settings.swap_dir / str(job_id)
+
+
+def claim(job_id: int, node: str) -> bool:
+    """Atomically take a queued job (or one orphaned by `node`'s previous life)."""
+    now = utcnow()
+    with session_scope() as session:
+        res = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.state == JobState.queued, Job.cancel_requested.is_(False))
+            .values(state=JobState.running, claimed_by=node, heartbeat_at=now,
+                    attempts=Job.attempts + 1, phase="Starting")
+        )
+        if res.rowcount == 1:
+            job = session.get(Job, job_id)
+            if job.started_at is None:
+                job.started_at = now
+            return True
+        job = session.get(Job, job_id)
+        if job is not None and job.state == JobState.queued and job.cancel_requested:
+            _finish(session, job, JobState.cancelled, phase="Cancelled before it started")
+    return False
+
+
+def _finish(session, job: Job, state: JobState, phase: str, error: str | None = None) -> None:
+    job.state, job.phase, job.error = state, phase, error
+    job.finished_at = utcnow()
+    job.eta_s = None
+
+
+class _RowHooks:
+    """Pipeline hooks that write to the job row, at most every HEARTBEAT_EVERY_S."""
+
+    def __init__(self, job_id: int):
+        self.job_id = job_id
+        self._last_write = 0.0
+        self._pending: dict = {}
+        self._losses: list[list[float]] = []
+        self._cancel = False
+
+    def hooks(self) -> Hooks:
+        return Hooks(on_phase=self.on_phase, on_progress=self.on_progress,
+                     should_cancel=self.should_cancel)
+
+    def on_phase(self, state: str, text: str) -> None:
+        self._pending.update(state=state, phase=text)
+        self.flush()
+
+    def on_progress(self, p: dict) -> None:
+        if p.get("loss") is not None:
+            self._losses.append([int(p["step"]), round(float(p["loss"]), 5)])
+        self._pending.update(step=int(p["step"]), total_steps=int(p["total_steps"]),
+                             tokens_per_s=p.get("tokens_per_s"), eta_s=p.get("eta_s"))
+        if p.get("telemetry") is not None:  # the offload engine's memory and disk figures
+            self._pending["telemetry"] = p["telemetry"]
+        if time.monotonic() - self._last_write >= HEARTBEAT_EVERY_S or p["step"] == p["total_steps"]:
+            self.flush()
+
+    def should_cancel(self) -> bool:
+        if time.monotonic() - self._last_write >= HEARTBEAT_EVERY_S:
+            self.flush()
+        return self._cancel
+
+    def flush(self) -> None:
+        with session_scope() as session:
+            job = session.get(Job, self.job_id)
+            if job is None:
+                self._cancel = True
+                return
+            for key, value in self._pending.items():
+                setattr(job, key, value)
+            if self._losses:
+                # Resumed jobs replay from their checkpoint: keep one point per step.
+                merged = {int(s): l for s, l in job.loss_history} | {s: l for s, l in self._losses}
+                job.loss_history = [[s, merged[s]] for s in sorted(merged)]
+            job.heartbeat_at = utcnow()
+            self._cancel = job.cancel_requested
+        self._pending.clear()
+        self._losses.clear()
+        self._last_write = time.monotonic()
+
+
+def run_job(job_id: int, node: str | None = None) -> str | None:
+    """Run job `job_id` to a final state; returns that state (None if not ours to run)."""
+    node = node or socket.gethostname()
+    if not claim(job_id, node):
+        return None
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        params = dict(job.params)
+        # Incremental: new documents + a replay sample, from the previous version's adapter
+        # (LoRA) or merged model (full fine-tuning).
+        plan = plan_inputs(session, job, job_workdir(job_id))
+        params.update(plan.params)
+        docs = load_source_docs(session, plan.doc_ids)
+
+    row = _RowHooks(job_id)
+    workdir = job_workdir(job_id)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        if not docs:
+            raise UserFacingError(
+                "None of this job's documents has usable text any more. "
+                "Upload documents, wait until they show as extracted, then train again."
+            )
+        budget = settings.offload_budget_mb * 2**20 if settings.offload_budget_mb else None
+        result = run_pipeline(docs, params, settings.base_model, settings.models_dir, workdir,
+                              row.hooks(), swap_dir=job_swap_dir(job_id), budget_bytes=budget,
+                              start_adapter=plan.start_adapter,
+                              start_model=plan.start_model,
+                              stream_base=settings.stream_base_model,
+                              device=settings.device)
+    except Cancelled:
+        outcome = (JobState.cancelled, "Cancelled", None)
+    except (UserFacingError, ValueError) as exc:
+        outcome = (JobState.failed, "Failed", str(exc))
+    except Exception as exc:  # the user gets words, the log gets the trace
+        log.exception("job %s failed", job_id)
+        (workdir / "error.log").write_text(traceback.format_exc(), encoding="utf-8")
+        outcome = (JobState.failed, "Failed", _plain_error(exc))
+    else:
+        outcome = (JobState.done, "Done", None)
+
+    row.flush()
+    # The swap is scratch: a resumed job rebuilds it from its checkpoint.
+    shutil.rmtree(job_swap_dir(job_id), ignore_errors=True)
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        if job is None:
+            return None
+        if outcome[0] == JobState.done:
+            job.params = result["params"]
+            job.scores = result["scores"] | {"dataset": result.get("dataset", {}),
+                                             "metrics": result.get("metrics", {}),
+                                             "export_errors": result.get("export_errors", {})}
+            job.artifacts = result["artifacts"]
+            job.step = job.total_steps
+            job.project.current_job_id = job.id  # a new version is the one in use
+        _finish(session, job, *outcome)
+    if outcome[0] == JobState.done:
+        shutil.rmtree(workdir / "checkpoint", ignore_errors=True)  # the exports are what's kept
+    return outcome[0]
+
+
+def _plain_error(exc: Exception) -> str:
+    if isinstance(exc, OffloadDiskFullError):
+        return ("The disk is full: training pages part of the model to the DocTune data "
+                "folder. Free some space there and train again.")
+    if isinstance(exc, OffloadBudgetError):
+        return ("Training needs more memory than DocTune may use on this machine "
+                f"({str(exc).splitlines()[0][:200]}). Try a shorter maximum sequence length, "
+                "LoRA instead of full fine-tuning, or a larger DOCTUNE_OFFLOAD_BUDGET_MB.")
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return ("Training ran out of memory. Try a shorter maximum sequence length or LoRA "
+                "instead of full fine-tuning.")
+    if isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
+        return "The disk is full. Free some space in the DocTune data folder and train again."
+    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    return (f"Training stopped because of an internal error ({detail}). Your documents and "
+            "project are unaffected; you can train again.")

@@ -1,0 +1,538 @@
+"""The fine-tuning recipe: LoRA or full fine-tuning of a causal LM on prepared examples.
+
+One readable run, torchtune style: `setup()` wraps the model and builds the engine (resuming
+from `workdir/checkpoint/` when one is there), `train()` loops over deterministic batches and
+hands the trained model back in memory, `save_checkpoint()` writes the run's state atomically,
+`cleanup()` frees it.
+
+The engine is the SSD offload engine (worker.training.engines.OffloadTrainEngine) unless
+`EngineOptions(kind="memory")` asks for the plain in-memory reference; both give the same bits.
+
+Determinism: batches are a permutation seeded by seed + epoch, the LoRA init by seed, and a
+checkpoint holds weights, optimizer, scheduler and RNG states, so a run killed after a
+checkpoint and resumed ends with the same weights, bit for bit, as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+from app.training_defaults import LIMITS, METHODS
+from worker.training.engines import IGNORE_INDEX, InMemoryEngine, OffloadTrainEngine
+from worker.training.resources import auto_budget_bytes, configure_threads
+
+log = logging.getLogger(__name__)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CHECKPOINT_FORMAT = 2  # 2: the engine writes its own files; meta.json names the engine
+ENGINES = ("offload", "memory")
+
+
+class Cancelled(Exception):
+    """The user cancelled the job; the run's state is in its last checkpoint."""
+
+
+def _noop(*_args, **_kwargs) -> None:
+    return None
+
+
+@dataclass
+class Hooks:
+    """How a run reports to whoever drives it (Celery task, CLI, test)."""
+
+    # (state, text): state in {"running", "evaluating"}; text says what is happening.
+    on_phase: Callable[[str, str], None] = _noop
+    # {"step", "total_steps", "loss", "tokens_per_s", "eta_s", "epoch", "epochs", "lr",
+    #  "telemetry"}: telemetry is the offload engine's figures (None in memory).
+    on_progress: Callable[[dict], None] = _noop
+    should_cancel: Callable[[], bool] = lambda: False
+
+
+@dataclass
+class EngineOptions:
+    """Where the training state lives. Not part of TrainConfig: it changes the speed and the
+    memory used, never the result."""
+
+    kind: str = "offload"  # "offload" (SSD offload engine) | "memory" (the reference)
+    budget_bytes: int | None = None  # None: a share of the free memory (auto_budget_bytes)
+    swap_dir: Path | None = None  # None: workdir / "swap"
+    # The base model's *.safetensors: LoRA streams its frozen weights from them, read-only.
+    weights_files: list[Path] = field(default_factory=list)
+    prefetch: int = 2
+    activation_bytes: int | None = None  # None: the engine keeps a quarter of the budget
+    # A model whose blocks hold no values yet (worker/training/streamed.py): fills a block parameter's
+    # page in the engine, init_weights(name, tensor), from the model's files.
+    init_weights: Callable[[str, torch.Tensor], None] | None = None
+    # "cuda": blocks compute on the GPU, budget_bytes is GPU memory and host_budget_bytes
+    # (None: half of the free RAM) holds the engine's page pool. None: where the model is.
+    device: str | None = None
+    host_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINES:
+            raise ValueError(f"Unknown engine {self.kind!r}; use one of {ENGINES}.")
+
+
+@dataclass
+class TrainConfig:
+    """How to run one fine-tune. Round-trips through a plain dict (stored with the job)."""
+
+    method: str = "lora"  # "lora" | "full"
+    epochs: int = 3
+    learning_rate: float = 2e-4
+    lora_rank: int = 16
+    lora_alpha: float | None = None  # None -> 2 * rank
+    lora_dropout: float = 0.0  # 0: no RNG in the forward pass, runs repeat exactly
+    max_seq_len: int = 256
+    # Examples per micro-batch. On a CPU tokens/s barely depends on it (matmuls are already
+    # large at 256 tokens); smaller batches give small corpora more optimizer steps.
+    batch_size: int = 4
+    grad_accum: int = 1  # micro-batches per optimizer step
+    # Batch examples of similar length (within windows of 16 batches of the shuffled order,
+    # then the batches shuffled): a batch is padded to its longest example, so mixing short
+    # practice questions with full text chunks computes mostly padding.
+    group_by_length: bool = True
+    warmup_ratio: float = 0.05
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_every: int = 25  # optimizer steps; also at every epoch end
+    max_steps: int | None = None  # cap on optimizer steps (tests, quick trials)
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is None:
+            self.lora_alpha = 2 * self.lora_rank
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"Unknown training method {self.method!r}; use one of {METHODS}.")
+        for name, (low, high) in LIMITS.items():
+            value = getattr(self, name)
+            if not low <= value <= high:
+                raise ValueError(f"{name} = {value} is outside the allowed range {low}..{high}.")
+        for name in ("batch_size", "grad_accum", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be at least 1.")
+        if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError("warmup_ratio and lora_dropout must be in [0, 1).")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"Unknown training settings: {sorted(unknown)}")
+        return cls(**data)
+
+    def steps_per_epoch(self, n_examples: int) -> int:
+        return math.ceil(n_examples / (self.batch_size * self.grad_accum))
+
+    def total_steps(self, n_examples: int) -> int:
+        total = self.epochs * self.steps_per_epoch(n_examples)
+        return min(total, self.max_steps) if self.max_steps else total
+
+
+def pad_batch(examples: list[dict], pad_token_id: int, max_len: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: pad tokens get attention 0 and label IGNORE_INDEX."""
+    rows = [(ex["input_ids"][:max_len], ex["labels"][:max_len]) for ex in examples]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labs) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[i, : len(labs)] = torch.tensor(labs, dtype=torch.long)
+        attention[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def examples_digest(examples: list[dict]) -> str:
+    """Fingerprint of the training data, so a checkpoint is only resumed on the same data."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex["input_ids"], ex["labels"]], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class _Progress:
+    """Counters that survive a resume (stored in the checkpoint's meta.json)."""
+
+    step: int = 0
+    train_seconds: float = 0.0
+    tokens: int = 0  # non-padding tokens seen
+    losses: list[float] = field(default_factory=list)  # one per optimizer step
+
+
+class FineTuneRecipe:
+    """LoRA (peft) or full fine-tuning of `model` on `train_examples`, checkpointed in `workdir`.
+
+    After `setup()`, `self.model` is the model being trained (a PeftModel for LoRA).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train_examples: list[dict],
+        config: TrainConfig,
+        workdir: Path,
+        hooks: Hooks | None = None,
+        pad_token_id: int = 0,
+        engine: EngineOptions | None = None,
+    ) -> None:
+        if not train_examples:
+            raise ValueError("No training examples.")
+        self.model = model
+        self.examples = train_examples
+        self.config = config
+        self.workdir = Path(workdir)
+        self.hooks = hooks or Hooks()
+        self.pad_token_id = pad_token_id
+        self.engine_options = engine or EngineOptions()
+        self.engine: InMemoryEngine | OffloadTrainEngine | None = None
+        self.progress = _Progress()
+        self.steps_per_epoch = config.steps_per_epoch(len(train_examples))
+        self.total_steps = config.total_steps(len(train_examples))
+        self._digest = examples_digest(train_examples)
+        self._last_saved_step = -1
+        self._perm_cache: tuple[int, list[int]] | None = None
+
+    # -- paths -------------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.workdir / "checkpoint"
+
+    @property
+    def _tmp_dir(self) -> Path:
+        return self.workdir / "checkpoint.tmp"
+
+    @property
+    def _old_dir(self) -> Path:
+        return self.workdir / "checkpoint.old"
+
+    @property
+    def swap_dir(self) -> Path:
+        return Path(self.engine_options.swap_dir or self.workdir / "swap")
+
+    # -- setup -------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Wrap the model for the method, build the engine, resume from a checkpoint if any."""
+        configure_threads()
+        cfg = self.config
+        torch.manual_seed(cfg.seed)  # LoRA's A matrices are drawn here
+        random.seed(cfg.seed)
+        if cfg.method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(
+                r=cfg.lora_rank,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=LORA_TARGETS,
+                task_type="CAUSAL_LM",
+            )
+            self.model = get_peft_model(self.model, lora)
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(True)
+        self.model.train()
+        self.engine = self._build_engine()
+        try:
+            self._resume()
+        except BaseException:
+            self._release_engine(restore=False)
+            raise
+
+    def _build_engine(self) -> InMemoryEngine | OffloadTrainEngine:
+        cfg = self.config
+        common = {
+            "learning_rate": cfg.learning_rate,
+            "total_steps": self.total_steps,
+            "warmup_steps": round(cfg.warmup_ratio * self.total_steps),
+            "weight_decay": cfg.weight_decay,
+            "grad_clip": cfg.grad_clip,
+            "grad_accum": cfg.grad_accum,
+        }
+        opts = self.engine_options
+        if opts.kind == "memory":
+            return InMemoryEngine(self.model, **common)
+        device = torch.device(opts.device) if opts.device else None
+        budget = opts.budget_bytes or auto_budget_bytes(self.model, device=device)
+        host_budget = None
+        if device is not None and device.type == "cuda":
+            host_budget = opts.host_budget_bytes or auto_budget_bytes(device=torch.device("cpu"))
+        engine = OffloadTrainEngine(
+            self.model,
+            budget_bytes=budget,
+            swap_dir=self.swap_dir,
+            weights_files=list(opts.weights_files),
+            prefetch=opts.prefetch,
+            activation_bytes=opts.activation_bytes,
+            init_weights=opts.init_weights,
+            device=opts.device,
+            host_budget_bytes=host_budget,
+            **common,
+        )
+        t = engine.telemetry()
+        log.info(
+            "Offload engine: budget %.0f MiB, %s, %d blocks.",
+            budget / 2**20,
+            "streaming from the SSD" if t["streaming"] else "everything fits in memory",
+            t["blocks"],
+        )
+        return engine
+
+    def _release_engine(self, restore: bool) -> None:
+        """Close the engine (its swap files go); with `restore` the model gets its trained
+        weights back in memory. The swap directory goes too once empty."""
+        if self.engine is None:
+            return
+        engine, self.engine = self.engine, None
+        engine.close(restore_weights=restore)
+        if isinstance(engine, OffloadTrainEngine):
+            try:
+                self.swap_dir.rmdir()
+            except OSError:  # not empty (someone else's files) or already gone
+                pass
+
+    def _meta(self) -> dict:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "engine": self.engine_options.kind,
+            "config": self._config_key(),
+            "n_examples": len(self.examples),
+            "examples_sha256": self._digest,
+            "total_steps": self.total_steps,
+            "step": self.progress.step,
+            "epoch": self.progress.step // self.steps_per_epoch,
+            "train_seconds": self.progress.train_seconds,
+            "tokens": self.progress.tokens,
+            "losses": self.progress.losses,
+        }
+
+    def _config_key(self) -> dict:
+        key = self.config.to_dict()
+        key.pop("checkpoint_every")  # saving more or less often does not change the result
+        return key
+
+    def _resume(self) -> None:
+        # A crash between the two renames of save_checkpoint leaves only checkpoint.old.
+        if not self.checkpoint_dir.exists() and self._old_dir.exists():
+            os.rename(self._old_dir, self.checkpoint_dir)
+        meta_path = self.checkpoint_dir / "meta.json"
+        if not meta_path.is_file():
+            return
+        meta = json.loads(meta_path.read_text())
+        same = (
+            meta.get("format") == CHECKPOINT_FORMAT
+            and meta.get("engine") == self.engine_options.kind
+            and meta.get("config") == self._config_key()
+            and meta.get("examples_sha256") == self._digest
+        )
+        if not same:
+            log.warning("Ignoring %s: made with other settings or data.", self.checkpoint_dir)
+            return
+        self.engine.load_checkpoint(self.checkpoint_dir)
+        rng = torch.load(self.checkpoint_dir / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(_tuplify(rng["python"]))
+        self.progress = _Progress(
+            step=int(meta["step"]),
+            train_seconds=float(meta["train_seconds"]),
+            tokens=int(meta["tokens"]),
+            losses=[float(x) for x in meta["losses"]],
+        )
+        self._last_saved_step = self.progress.step
+        log.info("Resumed from step %d of %d.", self.progress.step, self.total_steps)
+
+    # -- batches -----------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> list[int]:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            gen = torch.Generator().manual_seed(self.config.seed + epoch)
+            order = torch.randperm(len(self.examples), generator=gen).tolist()
+            if self.config.group_by_length:
+                order = self._group_by_length(order, gen)
+            self._perm_cache = (epoch, order)
+        return self._perm_cache[1]
+
+    def _group_by_length(self, order: list[int], gen: torch.Generator) -> list[int]:
+        """`order` with examples of similar length in the same batch: each window of 16
+        batches is sorted by length, then the full batches are shuffled (the short last
+        batch stays last, where batch_for_step expects it). Deterministic from the seed."""
+        per_step = self.config.batch_size * self.config.grad_accum
+        cap = self.config.max_seq_len
+
+        def length(i: int) -> int:
+            return min(len(self.examples[i]["input_ids"]), cap)
+
+        window = 16 * per_step
+        ordered: list[int] = []
+        for start in range(0, len(order), window):
+            ordered += sorted(order[start : start + window], key=length)  # stable
+        n_full = len(ordered) // per_step
+        batches = [ordered[b * per_step : (b + 1) * per_step] for b in range(n_full)]
+        shuffled = [batches[b] for b in torch.randperm(n_full, generator=gen).tolist()]
+        return [i for batch in shuffled for i in batch] + ordered[n_full * per_step :]
+
+    def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
+        """The batch of optimizer step `step` (0-based): a pure function of seed and step, so
+        a resumed run skips exactly the batches already done."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        per_step = self.config.batch_size * self.config.grad_accum
+        order = self._permutation(epoch)[index * per_step : (index + 1) * per_step]
+        return pad_batch(
+            [self.examples[i] for i in order], self.pad_token_id, self.config.max_seq_len
+        )
+
+    # -- train -------------------------------------------------------------------------------
+    def train(self, keep_engine: bool = False) -> dict:
+        """Run the remaining optimizer steps; returns metrics. Raises Cancelled (after saving a
+        checkpoint) when `hooks.should_cancel()` turns true.
+
+        Either way the engine is closed on the way out and the model holds its trained
+        weights in memory again (scoring and export use it as an ordinary model); after an
+        error the model's state is only good in the last checkpoint. With `keep_engine`
+        a run that finishes leaves the engine open instead (a model larger than memory is
+        scored and exported through it; cleanup(restore=False) closes it)."""
+        if self.engine is None:
+            raise RuntimeError("call setup() first")
+        try:
+            self._train_steps()
+        except Cancelled:  # a streamed model (keep_engine) is not brought into memory
+            self._release_engine(restore=not keep_engine)
+            raise
+        except BaseException:
+            self._release_engine(restore=False)
+            raise
+        if not keep_engine:
+            self._release_engine(restore=True)
+        return self.metrics()
+
+    def _train_steps(self) -> None:
+        self.model.train()
+        recent: list[tuple[float, int]] = []  # (seconds, tokens) of the last steps, for ETA
+        while self.progress.step < self.total_steps:
+            if self.hooks.should_cancel():
+                self.save_checkpoint()
+                raise Cancelled(f"Cancelled at step {self.progress.step} of {self.total_steps}.")
+            batch = self.batch_for_step(self.progress.step)
+            tokens = int(batch["attention_mask"].sum())
+            started = time.perf_counter()
+            loss = self.engine.step(batch)
+            seconds = time.perf_counter() - started
+            p = self.progress
+            p.step += 1
+            p.train_seconds += seconds
+            p.tokens += tokens
+            p.losses.append(loss)
+            recent = (recent + [(seconds, tokens)])[-10:]
+            recent_s = sum(s for s, _ in recent)
+            self.hooks.on_progress(
+                {
+                    "step": p.step,
+                    "total_steps": self.total_steps,
+                    "loss": loss,
+                    "tokens_per_s": sum(t for _, t in recent) / max(recent_s, 1e-9),
+                    "eta_s": recent_s / len(recent) * (self.total_steps - p.step),
+                    "epoch": (p.step - 1) // self.steps_per_epoch + 1,
+                    "epochs": math.ceil(self.total_steps / self.steps_per_epoch),
+                    "lr": self.engine.learning_rate,
+                    "telemetry": self.engine.telemetry(),
+                }
+            )
+            if (
+                p.step % self.config.checkpoint_every == 0
+                or p.step % self.steps_per_epoch == 0
+                or p.step == self.total_steps
+            ):
+                self.save_checkpoint()
+
+    def metrics(self) -> dict:
+        p = self.progress
+        return {
+            "steps": p.step,
+            "total_steps": self.total_steps,
+            "train_seconds": round(p.train_seconds, 3),
+            "tokens": p.tokens,
+            "tokens_per_s": p.tokens / p.train_seconds if p.train_seconds else 0.0,
+            "final_loss": p.losses[-1] if p.losses else None,
+            "losses": list(p.losses),
+        }
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Write the engine's state (weights, optimizer, step), the RNG states and the
+        counters to `workdir/checkpoint`.
+
+        Built in checkpoint.tmp/, fsynced, then swapped in by rename; the previous checkpoint
+        is kept (as checkpoint.old) until the new one is in place.
+        """
+        if self._last_saved_step == self.progress.step and self.checkpoint_dir.exists():
+            return self.checkpoint_dir  # up to date (train() always ends with a checkpoint)
+        if self.engine is None:
+            raise RuntimeError("call setup() first")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = self._tmp_dir
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        self.engine.save_checkpoint(tmp)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+        (tmp / "meta.json").write_text(json.dumps(self._meta()) + "\n")
+        for path in tmp.iterdir():
+            _fsync_file(path)
+        _fsync_dir(tmp)
+        if self.checkpoint_dir.exists():
+            shutil.rmtree(self._old_dir, ignore_errors=True)
+            os.rename(self.checkpoint_dir, self._old_dir)
+        os.rename(tmp, self.checkpoint_dir)
+        _fsync_dir(self.workdir)
+        shutil.rmtree(self._old_dir, ignore_errors=True)
+        self._last_saved_step = self.progress.step
+        return self.checkpoint_dir
+
+    def cleanup(self, remove_checkpoint: bool = False, restore: bool = True) -> None:
+        """Close the engine (with `restore` the model keeps its weights); with
+        `remove_checkpoint`, delete the run's checkpoints (once the job's results are safely
+        stored)."""
+        self._release_engine(restore=restore)
+        if remove_checkpoint:
+            for path in (self.checkpoint_dir, self._tmp_dir, self._old_dir):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _tuplify(value):
+    """random.setstate wants tuples; a state that went through torch.save may hold lists."""
+    if isinstance(value, list | tuple):
+        return tuple(_tuplify(v) for v in value)
+    return value
