@@ -8,7 +8,7 @@ A library of its own: it imports torch and the standard library only. The front 
     loss = engine.step({"input_ids": ..., "attention_mask": ..., "labels": ...})
     engine.save_checkpoint("/ssd/ckpt")
 
-Internals live in `_private` modules; see engine.py for the design.
+Internals live in `_private` modules; see engine.py for the design and where each part is.
 """
 
 from ._config import AdamWConfig, OffloadConfig
@@ -18,14 +18,10 @@ from ._io import (
     OffloadIOError,
     probe_o_direct,
 )
+from ._memory import OffloadBudgetError
+from ._partition import find_blocks, is_unloaded, release_parameters
 from ._plan import Plan, activation_bytes, plan
-from .engine import (
-    OffloadBudgetError,
-    OffloadEngine,
-    find_blocks,
-    is_unloaded,
-    release_parameters,
-)
+from .engine import OffloadEngine
 
 __all__ = [
     "AdamWConfig",

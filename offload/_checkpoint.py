@@ -12,7 +12,8 @@ Layout of a checkpoint directory:
   weight.000003.bin             the weights swap file as it was (full fine-tuning)
   exp_avg.000003.bin            Adam m, exp_avg_sq.000003.bin Adam v
   resident.000003.bin           resident trainable parameters and their Adam m and v,
-                                and the CPU RNG state, back to back (offsets in manifest)
+                                and the CPU RNG state (and the GPU's on CUDA), back to
+                                back (offsets in manifest)
 
 No copies when the checkpoint directory is on the swap's filesystem: a save fsyncs the
 swap files and renames them into the checkpoint, fresh preallocated swap files take their
@@ -24,6 +25,8 @@ files are only ever read. Elsewhere (another filesystem) a save copies: O_DIRECT
 8 MiB pieces kept several pieces ahead of the writes, by a private thread pool (training
 telemetry counts training traffic only), through 64 MiB of staging buffers taken while no
 step runs, when the budget's activation share is idle.
+
+save() and load() work on the engine's EngineState (_state.py), not on the engine.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import errno
 import json
 import os
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,9 +50,8 @@ from ._io import (
     probe_o_direct,
 )
 from ._layout import EXP_AVG, EXP_AVG_SQ, WEIGHT
-
-if TYPE_CHECKING:
-    from .engine import OffloadEngine
+from ._state import EngineState
+from ._step import set_lr
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -117,10 +118,10 @@ def _copy_runs(runs: Iterable[Run], dst_fd: int, threads: int) -> None:
         io.close()  # runs what is queued first: no transfer outlives the staging buffers
 
 
-def _swap_runs(engine: OffloadEngine, kind: str) -> list[Run]:
+def _swap_runs(st: EngineState, kind: str) -> list[Run]:
     """Where the current bytes of the swap file of `kind` are: the swap file itself, except
     regions still read from a checkpoint file."""
-    store = engine._store
+    store = st.store
     f = store.files[kind]
     elsewhere = store.unwritten(kind)
     runs, pos = [], 0
@@ -134,14 +135,14 @@ def _swap_runs(engine: OffloadEngine, kind: str) -> list[Run]:
     return runs
 
 
-def _copy_out(engine: OffloadEngine, kind: str, path: str) -> None:
+def _copy_out(st: EngineState, kind: str, path: str) -> None:
     """A new file at `path` holding the current bytes of the swap file of `kind`, fsynced."""
-    direct = engine.o_direct and probe_o_direct(os.path.dirname(path))
+    direct = st.o_direct and probe_o_direct(os.path.dirname(path))
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0)
     fd = os.open(path, flags, 0o600)
     try:
-        os.posix_fallocate(fd, 0, engine._store.files[kind].nbytes)
-        _copy_runs(_swap_runs(engine, kind), fd, engine.config.io_threads)
+        os.posix_fallocate(fd, 0, st.store.files[kind].nbytes)
+        _copy_runs(_swap_runs(st, kind), fd, st.config.io_threads)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -160,41 +161,41 @@ def _write_file(path: str, writer) -> None:
         os.close(fd)
 
 
-def _resident_entries(engine: OffloadEngine) -> list[tuple[str, str, torch.Tensor]]:
+def _resident_entries(st: EngineState) -> list[tuple[str, str, torch.Tensor]]:
     """(name, what, tensor) for everything resident that a checkpoint must hold."""
     out = []
-    opt = engine._resident_opt
-    for name, p in engine._resident_trainable:
+    opt = st.optimizers.resident
+    for name, p in st.resident_trainable:
         out.append((name, "param", p.data))
         state = opt.state.get(p, {}) if opt is not None else {}
         for what in ("exp_avg", "exp_avg_sq"):
             if what in state:
                 out.append((name, what, state[what]))
     out.append(("torch", "rng", torch.get_rng_state()))
-    if engine.device.type == "cuda":  # dropout on the GPU draws from the GPU's generator
-        out.append(("torch", "cuda_rng", torch.cuda.get_rng_state(engine.device)))
+    if st.device.type == "cuda":  # dropout on the GPU draws from the GPU's generator
+        out.append(("torch", "cuda_rng", torch.cuda.get_rng_state(st.device)))
     return out
 
 
-def _signature(engine: OffloadEngine) -> dict:
+def _signature(st: EngineState) -> dict:
     return {
-        "mode": engine.mode,
+        "mode": st.mode,
         "blocks": [
             [[s.name, list(s.param.shape), str(s.param.dtype)] for s in layout.weight_slots]
-            for layout in engine._layouts
+            for layout in st.layouts
         ],
-        "resident": [[n, list(p.shape), str(p.dtype)] for n, p in engine._resident_trainable],
-        "regions": {k: f.sizes for k, f in engine._store.files.items()},
+        "resident": [[n, list(p.shape), str(p.dtype)] for n, p in st.resident_trainable],
+        "regions": {k: f.sizes for k, f in st.store.files.items()},
     }
 
 
-def _steps(engine: OffloadEngine) -> dict[str, float]:
+def _steps(st: EngineState) -> dict[str, float]:
     out = {}
-    for layout in engine._layouts:
+    for layout in st.layouts:
         for n, p in zip(layout.trainable_names, layout.trainable):
-            out[n] = float(engine._steps[id(p)])
-    opt = engine._resident_opt
-    for n, p in engine._resident_trainable:
+            out[n] = float(st.optimizers.steps[id(p)])
+    opt = st.optimizers.resident
+    for n, p in st.resident_trainable:
         if opt is not None and "step" in opt.state.get(p, {}):
             out[n] = float(opt.state[p]["step"])
     return out
@@ -208,23 +209,16 @@ def read_manifest(directory: str) -> dict | None:
         return None
 
 
-def save(engine: OffloadEngine, directory: str, extra: dict) -> None:
-    engine._pager.flush()  # the swap files are now current
-    os.makedirs(directory, exist_ok=True)
-    old = read_manifest(directory)
-    gen = (old["generation"] + 1) if old else 1
-    kinds = [
-        k
-        for k in (WEIGHT, EXP_AVG, EXP_AVG_SQ)
-        if k in engine._store.files and engine.mode == "full"
-    ]
-    created: list[str] = []
-    successors: dict[str, tuple[int, str]] = {}
-    committed = False
-    store, threads = engine._store, engine.config.io_threads
+def _swap_files(st: EngineState, directory: str, gen: int, created: list[str]) -> dict:
+    """The swap files of full fine-tuning into `directory` under generation `gen`:
+    renamed there on the swap's filesystem (fresh swap files take their place), copied
+    elsewhere. Appends every file it makes to `created`; returns their manifest entries."""
+    store, threads = st.store, st.config.io_threads
+    kinds = [k for k in (WEIGHT, EXP_AVG, EXP_AVG_SQ) if k in store.files and st.mode == "full"]
     rename = bool(kinds) and _same_filesystem(store.directory, directory)
+    successors: dict[str, tuple[int, str]] = {}
+    files = {}
     try:
-        files = {}
         if rename:
             for kind in kinds:  # first: a full disk shows here, before anything moved
                 successors[kind] = store.prepare_successor(kind)
@@ -245,45 +239,75 @@ def save(engine: OffloadEngine, directory: str, extra: dict) -> None:
                 store.hand_over(kind, path, successors[kind])
                 del successors[kind]
             else:
-                _copy_out(engine, kind, path)
+                _copy_out(st, kind, path)
+    finally:
+        for fd, path in successors.values():  # (only left over when something failed)
+            os.close(fd)
+            os.unlink(path)
+    return files
 
-        entries, off = [], 0
-        tensors = _resident_entries(engine)
-        for n, what, t in tensors:
-            nb = t.numel() * t.element_size()
-            entries.append(
-                {
-                    "name": n,
-                    "what": what,
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape),
-                    "offset": off,
-                    "bytes": nb,
-                }
-            )
-            off += nb
-        rname = f"resident.{gen:06d}.bin"
-        rpath = os.path.join(directory, rname)
-        created.append(rpath)
 
-        def write_resident(fd: int) -> None:
-            for _, _, t in tensors:
-                if t.numel():  # .cpu(): on the CUDA path resident tensors are on the GPU
-                    _write_all(fd, byte_view(t.detach().cpu().contiguous()))
+def _write_resident(
+    st: EngineState, directory: str, gen: int, created: list[str]
+) -> tuple[dict, list[dict]]:
+    """resident.<gen>.bin: the resident trainable state and the RNG, back to back.
+    Returns its manifest entry and where each tensor lies in it."""
+    entries, off = [], 0
+    tensors = _resident_entries(st)
+    for n, what, t in tensors:
+        nb = t.numel() * t.element_size()
+        entries.append(
+            {
+                "name": n,
+                "what": what,
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "offset": off,
+                "bytes": nb,
+            }
+        )
+        off += nb
+    rname = f"resident.{gen:06d}.bin"
+    rpath = os.path.join(directory, rname)
+    created.append(rpath)
 
-        _write_file(rpath, write_resident)
-        files["resident"] = {"name": rname, "bytes": off}
+    def write_resident(fd: int) -> None:
+        for _, _, t in tensors:
+            if t.numel():  # .cpu(): on the CUDA path resident tensors are on the GPU
+                _write_all(fd, byte_view(t.detach().cpu().contiguous()))
 
+    _write_file(rpath, write_resident)
+    return {"name": rname, "bytes": off}, entries
+
+
+def _remove(paths: Iterable[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def save(st: EngineState, directory: str, extra: dict) -> None:
+    st.pager.flush()  # the swap files are now current
+    os.makedirs(directory, exist_ok=True)
+    old = read_manifest(directory)
+    gen = (old["generation"] + 1) if old else 1
+    created: list[str] = []
+    committed = False
+    try:
+        files = _swap_files(st, directory, gen, created)
+        files["resident"], entries = _write_resident(st, directory, gen, created)
         manifest = {
             "format": FORMAT,
             "generation": gen,
-            "step": engine.step_count,
-            "lr": engine.optim.lr,
-            "optimizer": engine.optim.to_dict(),
-            "signature": _signature(engine),
+            "step": st.step_count,
+            "lr": st.optim.lr,
+            "optimizer": st.optim.to_dict(),
+            "signature": _signature(st),
             "files": files,
             "resident": entries,
-            "steps": _steps(engine),
+            "steps": _steps(st),
             "extra": extra,
         }
         tmp = os.path.join(directory, MANIFEST + ".tmp")
@@ -293,36 +317,28 @@ def save(engine: OffloadEngine, directory: str, extra: dict) -> None:
         committed = True
         _fsync_dir(directory)
     except BaseException as exc:
-        for fd, path in successors.values():
-            os.close(fd)
-            os.unlink(path)
         if not committed:  # (a handed-over file stays readable through the store's fd)
-            for path in created:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            _remove(created)
         if is_disk_full(exc) or isinstance(exc, OffloadDiskFullError):
             raise OffloadDiskFullError(
                 directory, detail="The previous checkpoint there is unchanged."
             ) from exc
         raise
     keep = {f["name"] for f in files.values()} | {MANIFEST}
-    for name in os.listdir(directory):
-        if name not in keep and name.endswith((".bin", ".tmp")):
-            try:
-                os.unlink(os.path.join(directory, name))
-            except FileNotFoundError:
-                pass
+    _remove(
+        os.path.join(directory, name)
+        for name in os.listdir(directory)
+        if name not in keep and name.endswith((".bin", ".tmp"))
+    )
 
 
-def load(engine: OffloadEngine, directory: str) -> dict:
+def load(st: EngineState, directory: str) -> dict:
     manifest = read_manifest(directory)
     if manifest is None:
         raise OffloadError(f"no checkpoint in {directory} (missing {MANIFEST})")
     if manifest.get("format") != FORMAT:
         raise OffloadError(f"checkpoint format {manifest.get('format')} is not supported")
-    if manifest["signature"] != json.loads(json.dumps(_signature(engine))):
+    if manifest["signature"] != json.loads(json.dumps(_signature(st))):
         raise OffloadError("the checkpoint was written for a different model or configuration")
     files = manifest["files"]
     for name in files.values():
@@ -330,18 +346,18 @@ def load(engine: OffloadEngine, directory: str) -> dict:
         if os.path.getsize(path) != name["bytes"]:
             raise OffloadError(f"{path} has the wrong size: the checkpoint is damaged")
 
-    pager = engine._pager
+    pager = st.pager
     pager.reset()
-    direct = engine.o_direct and probe_o_direct(directory)
-    for kind in engine._store.files:
+    direct = st.o_direct and probe_o_direct(directory)
+    for kind in st.store.files:
         if kind not in files:
             continue
         src = os.path.join(directory, files[kind]["name"])
         fd = os.open(src, os.O_RDONLY | (os.O_DIRECT if direct else 0))
-        engine._store.read_from(kind, fd, src)  # read there until written: no copy
+        st.store.read_from(kind, fd, src)  # read there until written: no copy
 
-    by_name = dict(engine._resident_trainable)
-    opt = engine._resident_opt
+    by_name = dict(st.resident_trainable)
+    opt = st.optimizers.resident
     if opt is not None:
         opt.state.clear()
     with open(os.path.join(directory, files["resident"]["name"]), "rb") as fh:
@@ -353,7 +369,7 @@ def load(engine: OffloadEngine, directory: str) -> dict:
             if e["what"] == "rng":
                 torch.set_rng_state(t)
             elif e["what"] == "cuda_rng":
-                torch.cuda.set_rng_state(t, engine.device)
+                torch.cuda.set_rng_state(t, st.device)
             elif e["what"] == "param":
                 by_name[e["name"]].data.copy_(t)
             else:
@@ -361,14 +377,14 @@ def load(engine: OffloadEngine, directory: str) -> dict:
                 opt.state.setdefault(p, {})[e["what"]] = t.to(p.device)
     steps = manifest["steps"]
     if opt is not None:
-        for n, p in engine._resident_trainable:
+        for n, p in st.resident_trainable:
             if p in opt.state:
-                st = engine._fresh_step()
-                st.fill_(steps[n])
-                opt.state[p]["step"] = st
-    for layout in engine._layouts:
+                step = st.optimizers.fresh_step()
+                step.fill_(steps[n])
+                opt.state[p]["step"] = step
+    for layout in st.layouts:
         for n, p in zip(layout.trainable_names, layout.trainable):
-            engine._steps[id(p)].fill_(steps.get(n, 0.0))
-    engine.step_count = manifest["step"]
-    engine.set_lr(manifest["lr"])
+            st.optimizers.steps[id(p)].fill_(steps.get(n, 0.0))
+    st.step_count = manifest["step"]
+    set_lr(st, manifest["lr"])
     return manifest["extra"]

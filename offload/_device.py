@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ._io import OffloadError
+from ._io import BufferPool, OffloadError, aligned_empty
 
 SLOTS = 2  # device copies of block weights: the block computing and the next one
 
@@ -329,3 +329,19 @@ class DeviceCopies:
 
     def _peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+
+def open_copies(
+    device: torch.device, plan: DevicePlan, pool: BufferPool, staging_bytes: int
+) -> tuple[DeviceCopies, torch.Tensor]:
+    """The engine's GPU side: device slots and the copy stream, with the page pool and a
+    gradient staging buffer (`staging_bytes`, allocated here) page-locked."""
+    dev = DeviceCopies(device, plan.slots, plan.slot_bytes)
+    try:
+        dev.pin(pool.storage)
+        staging = aligned_empty(staging_bytes)
+        dev.pin(staging)
+    except BaseException:
+        dev.close()
+        raise
+    return dev, staging

@@ -1,5 +1,8 @@
 """The engine's only contact with the disk: aligned buffers, swap files, an I/O thread pool.
 
+One module past 500 lines on purpose: every piece below shares the alignment rule, the
+error translation and the O_DIRECT fallback, so the disk's whole contract is read here.
+
 Why each piece looks the way it does:
 
 - O_DIRECT needs the buffer address, the file offset and the length aligned to the

@@ -15,9 +15,13 @@ the same bits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from ._config import AdamWConfig
+from ._layout import BlockLayout
 
 
 def make_adamw(named: list[tuple[str, torch.nn.Parameter]], cfg: AdamWConfig):
@@ -48,6 +52,32 @@ def step_tensor_factory(cfg: AdamWConfig, dtype: torch.dtype, device: torch.devi
         return torch.zeros((), dtype=ref.dtype, device=ref.device)
 
     return fresh
+
+
+class Optimizers(NamedTuple):
+    blocks: list[torch.optim.AdamW | None]  # one per block; state attached while it steps
+    resident: torch.optim.AdamW | None  # the resident group's
+    steps: dict[int, torch.Tensor]  # id(streamed trainable parameter) -> its AdamW step
+    fresh_step: Callable[[], torch.Tensor]  # a new `step` state, as torch's AdamW makes it
+
+
+def make_optimizers(
+    layouts: list[BlockLayout],
+    resident_trainable: list[tuple[str, torch.nn.Parameter]],
+    cfg: AdamWConfig,
+    dtype: torch.dtype,
+) -> Optimizers:
+    """One AdamW per block and one for the resident group (decay groups by name)."""
+    fresh_step = step_tensor_factory(cfg, dtype, torch.device("cpu"))
+    return Optimizers(
+        blocks=[
+            make_adamw(list(zip(layout.trainable_names, layout.trainable)), cfg)
+            for layout in layouts
+        ],
+        resident=make_adamw(resident_trainable, cfg),
+        steps={id(p): fresh_step() for layout in layouts for p in layout.trainable},
+        fresh_step=fresh_step,
+    )
 
 
 def tensor_norms(tensors: list[torch.Tensor], foreach: bool | None = None) -> list[torch.Tensor]:

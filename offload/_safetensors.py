@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ._io import byte_view
+
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -84,3 +86,31 @@ class SafetensorsSource:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+
+
+def map_to_files(
+    src: SafetensorsSource, layouts: list, unloaded: set[int]
+) -> dict[int, list[tuple[int, int, int, int]]]:
+    """Blocks whose streamed weights all lie, byte for byte, in the weights files:
+    block -> (fd, file offset, page offset, nbytes) extents, one per weight slot of its
+    BlockLayout. Each candidate tensor is read once and compared, so a model changed since
+    loading falls back to the swap; a parameter whose id is in `unloaded` (no values to
+    compare) is taken from the file as it is."""
+    out = {}
+    for layout in layouts:
+        extents = []
+        for slot in layout.weight_slots:
+            e = src.find(slot.name, slot.param)
+            if e is None:
+                break
+            if id(slot.param) not in unloaded:  # a loaded one must match
+                data = torch.empty(e.nbytes, dtype=torch.uint8)
+                if os.preadv(src.fds[e.path], [byte_view(data)], e.offset) != e.nbytes:
+                    break
+                mine = slot.param.detach().cpu().contiguous().reshape(-1)
+                if not torch.equal(data, mine.view(torch.uint8)):
+                    break
+            extents.append((src.fds[e.path], e.offset, slot.offset, slot.nbytes))
+        else:
+            out[layout.index] = extents
+    return out

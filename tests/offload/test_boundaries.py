@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,8 +12,8 @@ import offload
 PKG = Path(offload.__file__).parent
 
 
-# The benchmark command (offload/bench.py) builds real models to measure the engine with:
-# it may import these inside its functions, never at module level, so the library and
+# The benchmark command (the package offload/bench/) builds real models to measure the engine
+# with: it may import these inside its functions, never at module level, so the library and
 # `import offload.bench` (worker/training/machine_profile.py uses its disk_bench) stay torch-only.
 BENCH_ONLY = {"transformers", "peft"}
 
@@ -30,7 +31,7 @@ def test_offload_imports_only_torch_and_the_standard_library():
     for path in PKG.rglob("*.py"):
         tree = ast.parse(path.read_text())
         in_functions: set[int] = set()
-        if path.name == "bench.py":
+        if PKG / "bench" in path.parents:
             for fn in ast.walk(tree):
                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     in_functions |= {id(n) for n in ast.walk(fn)}
@@ -38,6 +39,17 @@ def test_offload_imports_only_torch_and_the_standard_library():
             ok = allowed | BENCH_ONLY if id(node) in in_functions else allowed
             for name in _imports(node):
                 assert name.split(".")[0] in ok, f"{path.name} imports {name}"
+
+
+def test_import_offload_bench_loads_neither_transformers_nor_peft():
+    code = (
+        "import sys; from offload.bench import disk_bench; "
+        "print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PKG.parent
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_front_door_exports():

@@ -124,10 +124,10 @@ def test_full_finetune_on_cuda_matches_plain_torch_on_cuda(tmp_path, clip, micro
     assert cmp["max_update_norm"] > 1e-3  # it trained
     assert cmp["worst_update_rel_diff"] < UPDATE_RTOL, cmp
     assert t["kept_graphs"] is keep_graphs
-    n = len(eng._layouts)
+    n = len(eng._state.layouts)
     assert t["h2d_copies"] == STEPS * micro * (2 * n - 2)
     assert t["h2d_bytes"] == t["h2d_copies"] * t["device_slot_bytes"]
-    assert t["d2h_bytes"] == STEPS * micro * sum(x.trainable_bytes() for x in eng._layouts)
+    assert t["d2h_bytes"] == STEPS * micro * sum(x.trainable_bytes() for x in eng._state.layouts)
     assert t["peak_bytes"] <= budget
     eng.close()
 
@@ -174,7 +174,7 @@ def test_lora_on_cuda_matches_plain_peft_on_cuda_and_resumes(tmp_path):
     _report("lora", losses_equal=eng_losses == ref_losses, **cmp, h2d_bytes=t["h2d_bytes"])
     assert cmp["worst_update_rel_diff"] < UPDATE_RTOL, cmp
     assert t["bytes_written"] == written and t["d2h_bytes"] == 0
-    assert t["h2d_bytes"] >= STEPS * (2 * len(eng._layouts) - 2) * t["device_slot_bytes"]
+    assert t["h2d_bytes"] >= STEPS * (2 * len(eng._state.layouts) - 2) * t["device_slot_bytes"]
 
     # A checkpoint on the CUDA path: adapters and Adam state come back to the GPU, and the
     # GPU's generator too (dropout), so a resumed engine continues as this one does.
@@ -242,9 +242,9 @@ def test_peak_gpu_memory_under_a_budget_the_training_state_exceeds(tmp_path):
     assert state >= 3 * budget
     assert t["streaming"] and t["peak_bytes"] <= budget
     assert used <= budget, (used, t)
-    n = len(eng._layouts)
+    n = len(eng._state.layouts)
     assert t["h2d_bytes"] >= steps * (2 * n - 2) * t["device_slot_bytes"]
-    assert t["d2h_bytes"] == steps * sum(x.trainable_bytes() for x in eng._layouts)
+    assert t["d2h_bytes"] == steps * sum(x.trainable_bytes() for x in eng._state.layouts)
     assert t["bytes_read"] > 0 and t["bytes_written"] > 0
     assert t["pool_bytes"] <= 40_000_000
     eng.close()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
+import offload._device as device_mod
 import offload.engine as engine_mod
 from offload import AdamWConfig, OffloadConfig, OffloadEngine, OffloadError
 from offload._device import (
@@ -198,7 +199,7 @@ class CpuCopies(DeviceCopies):
 def cuda_flow(monkeypatch):
     """Run the engine's CUDA path (slots, staging, host steps) with CPU stand-ins."""
     monkeypatch.setattr(engine_mod, "streams_to_device", lambda device: True)
-    monkeypatch.setattr(engine_mod, "DeviceCopies", CpuCopies)
+    monkeypatch.setattr(device_mod, "DeviceCopies", CpuCopies)  # made by _device.open_copies
 
 
 def _engine(model, tmp_path, clip=None, budget=GPU_BUDGET, **cfg):
@@ -227,7 +228,7 @@ def test_cuda_control_flow_is_bitwise_equal_on_the_cpu(
     if keep_graphs:  # room for every block's graph (~3.1 MB) on top of the activations
         budget = {"budget": 5_200_000, "activation_bytes": 4_000_000}
     eng = _engine(model, tmp_path, clip=clip, keep_graphs=keep_graphs, **budget)
-    n = len(eng._layouts)
+    n = len(eng._state.layouts)
     assert eng.streaming and eng.telemetry()["pages"] < 4 * n
     assert state_bytes(model) >= 2 * eng.config.budget_bytes
     steps = 6
@@ -244,7 +245,7 @@ def test_cuda_control_flow_is_bitwise_equal_on_the_cpu(
     passes = steps * micro
     assert t["h2d_copies"] == passes * (2 * n - 2)
     assert t["h2d_bytes"] == t["h2d_copies"] * t["device_slot_bytes"]
-    grads = sum(layout.trainable_bytes() for layout in eng._layouts)
+    grads = sum(layout.trainable_bytes() for layout in eng._state.layouts)
     assert t["d2h_bytes"] == passes * grads
     assert t["peak_bytes"] <= eng.config.budget_bytes
     assert t["pool_bytes"] + eng.device_plan.host_fixed <= HOST_BUDGET
@@ -283,7 +284,7 @@ def test_cuda_control_flow_lora_and_checkpoint_on_the_cpu(tmp_path, cuda_flow):
     t = eng.telemetry()
     assert t["bytes_written"] == written_at_start  # the frozen base is read-only
     assert t["d2h_bytes"] == 0  # adapters and their gradients stay "on the device"
-    assert t["h2d_copies"] == 5 * (2 * len(eng._layouts) - 2)
+    assert t["h2d_copies"] == 5 * (2 * len(eng._state.layouts) - 2)
 
     eng.save_checkpoint(tmp_path / "ckpt")
     other = _lora_engine(lora(), tmp_path / "swap2")
