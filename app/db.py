@@ -47,24 +47,29 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+# The app's own sessions all come from here. Session events the app relies on (tasks sent
+# after the commit in app/queue.py, uploaded files removed on a rollback in
+# app/services/documents.py) listen on this factory, so a session made any other way (a
+# library's, a test's, an Alembic migration's) is left alone. Bound to the engine on first use.
+SessionFactory: sessionmaker[Session] = sessionmaker(expire_on_commit=False)
+
 _engine: Engine | None = None
-_factory: sessionmaker[Session] | None = None
 
 
 def get_engine() -> Engine:
-    global _engine, _factory
+    global _engine
     if _engine is None:
         if settings.sqlalchemy_url.startswith("sqlite"):
             settings.data_dir.mkdir(parents=True, exist_ok=True)
         _engine = make_engine(settings.sqlalchemy_url)
-        _factory = sessionmaker(_engine, expire_on_commit=False)
+        SessionFactory.configure(bind=_engine)
     return _engine
 
 
 def session_factory() -> sessionmaker[Session]:
+    """SessionFactory, bound to the engine of the current settings."""
     get_engine()
-    assert _factory is not None
-    return _factory
+    return SessionFactory
 
 
 @contextmanager

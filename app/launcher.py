@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE
 from app.migrate import upgrade_to_head
 from app.redis_server import start_private_redis
 from app.settings import settings
@@ -56,8 +57,8 @@ def run(with_web: bool = True) -> int:
         if not settings.redis_url:
             procs.append(("redis", start_private_redis(settings.redis_dir,
                                                        settings.private_redis_port)))
-        procs.append(("ingest worker", subprocess.Popen(_worker_cmd("ingest", 2), env=env)))
-        procs.append(("train worker", subprocess.Popen(_worker_cmd("train", 1), env=env)))
+        procs.append(("ingest worker", subprocess.Popen(_worker_cmd(INGEST_QUEUE, 2), env=env)))
+        procs.append(("train worker", subprocess.Popen(_worker_cmd(TRAIN_QUEUE, 1), env=env)))
         procs.append(("folder watcher", subprocess.Popen([sys.executable, "-m", "app.watcher"],
                                                          env=env)))
         print(f"Watched folders: {settings.inbox_dir} (one per project)", flush=True)

@@ -165,7 +165,13 @@ class Job(Base):
     # refreshed while the job runs.
     telemetry: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
 
+    # What a finished job measured, each JSON column in its app.contract shape: the scores
+    # before and after training (app.contract.scores), the training set's counts and notes,
+    # the training run's figures, and the downloads that could not be made (app.contract.results).
     scores: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    dataset: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    export_errors: Mapped[dict[str, str] | None] = mapped_column(JSON, default=None)  # kind -> why
     artifacts: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # kind -> file path
     error: Mapped[str | None] = mapped_column(Text, default=None)
 

@@ -1,7 +1,9 @@
 """The Celery client side: the web app sends tasks by name and never imports the worker.
 
 Tasks queued during a request leave only after the transaction commits; a rollback
-drops them (the job row and its message can never disagree)."""
+drops them (the job row and its message can never disagree). The listeners that do this
+are on the app's own session factory (app.db.SessionFactory), not on every Session in the
+process. The task names and queues are app.contract.tasks'."""
 
 from __future__ import annotations
 
@@ -9,13 +11,11 @@ from celery import Celery
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from app.contract.tasks import ROUTES
+from app.db import SessionFactory
 from app.settings import settings
 
-INGEST_QUEUE = "ingest"
-TRAIN_QUEUE = "train"
-
-INGEST_TASK = "doctune.ingest_document"
-TRAIN_TASK = "doctune.train_job"
+__all__ = ["INLINE", "celery_client", "enqueue_after_commit", "make_celery"]
 
 
 def make_celery(name: str = "doctune") -> Celery:
@@ -31,7 +31,7 @@ def make_celery(name: str = "doctune") -> Celery:
         # Redis redelivers an unacknowledged message after this; training jobs also
         # reconcile at worker start (worker/reconcile.py), so this is only a backstop.
         broker_transport_options={"visibility_timeout": 6 * 3600},
-        task_routes={INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE}},
+        task_routes=ROUTES,
     )
     return celery
 
@@ -49,7 +49,7 @@ def enqueue_after_commit(session: Session, task: str, *args: object) -> None:
     session.info.setdefault(_PENDING, []).append((task, args))
 
 
-@event.listens_for(Session, "after_commit")
+@event.listens_for(SessionFactory, "after_commit")
 def _send_pending(session: Session) -> None:
     for task, args in session.info.pop(_PENDING, []):
         if INLINE in session.info:
@@ -58,6 +58,6 @@ def _send_pending(session: Session) -> None:
             celery_client.send_task(task, args=list(args))
 
 
-@event.listens_for(Session, "after_soft_rollback")
+@event.listens_for(SessionFactory, "after_soft_rollback")
 def _drop_pending(session: Session, _previous_transaction) -> None:
     session.info.pop(_PENDING, None)

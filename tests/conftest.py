@@ -80,10 +80,10 @@ def embedded_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_base_model(embedded_model_dir) -> Path:
     """A tiny random Llama model with SmolLM2's tokenizer: the base model of app tests."""
-    from worker.training.base_model import build_tiny_model
+    from tests.worker.models import save_tiny_model
 
     if not (TINY_MODEL / "config.json").exists():
-        build_tiny_model(TINY_MODEL, tokenizer_dir=embedded_model_dir, seed=0)
+        save_tiny_model(TINY_MODEL, tokenizer_dir=embedded_model_dir, seed=0)
     return TINY_MODEL
 
 

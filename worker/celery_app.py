@@ -6,7 +6,8 @@ import logging
 
 from celery.signals import worker_ready
 
-from app.queue import TRAIN_QUEUE, make_celery
+from app.contract.tasks import TRAIN_QUEUE
+from app.queue import make_celery
 
 celery = make_celery("doctune-worker")
 celery.conf.update(

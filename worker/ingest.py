@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from sqlalchemy.orm import Session
@@ -17,6 +16,7 @@ from app.models import DocStatus, Document
 from app.settings import settings
 from worker.dataset.corpus import SourceDoc
 from worker.extract import ExtractionError, extract
+from worker.files import write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ def qa_path(stored_name: str) -> Path:
     return settings.documents_dir / f"{stored_name}.qa.json"
 
 
-def _write_atomic(path: Path, data: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(data, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def ingest_document(doc_id: int) -> str | None:
     """Extract document `doc_id` if still pending; returns its new status (None: nothing to do)."""
     with session_scope() as session:
@@ -51,8 +45,8 @@ def ingest_document(doc_id: int) -> str | None:
     status, error, fields = DocStatus.extracted, None, {}
     try:
         result = extract(settings.documents_dir / stored_name, kind)
-        _write_atomic(text_path(stored_name), result.text)
-        _write_atomic(qa_path(stored_name), json.dumps(result.qa_pairs, ensure_ascii=False))
+        write_text_atomic(text_path(stored_name), result.text)
+        write_text_atomic(qa_path(stored_name), json.dumps(result.qa_pairs, ensure_ascii=False))
         fields = {
             "word_count": result.word_count,
             "qa_count": len(result.qa_pairs),

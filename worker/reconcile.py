@@ -7,9 +7,10 @@ import socket
 
 from sqlalchemy import or_, select
 
+from app.contract.tasks import TRAIN_TASK
 from app.db import session_scope, utcnow
 from app.models import Job, JobState
-from app.queue import TRAIN_TASK, enqueue_after_commit
+from app.queue import enqueue_after_commit
 from worker.jobs.run import STALE_AFTER
 
 log = logging.getLogger(__name__)

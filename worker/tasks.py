@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.queue import INGEST_TASK, TRAIN_TASK
+from app.contract.tasks import INGEST_TASK, TRAIN_TASK
 from worker.celery_app import celery
 
 

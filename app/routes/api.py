@@ -52,7 +52,10 @@ def _job_json(job: Job) -> dict[str, Any]:
         "tokens_per_s": job.tokens_per_s,
         "eta_s": job.eta_s,
         "telemetry": job.telemetry,  # the offload engine's memory and disk figures, or null
-        "scores": job.scores,
+        "scores": job.scores,  # app.contract.scores
+        "dataset": job.dataset,  # app.contract.results: the training set's counts and notes
+        "metrics": job.metrics,  # the training run's figures
+        "export_errors": job.export_errors or {},  # kind -> why that download is missing
         "artifacts": sorted(k for k, v in (job.artifacts or {}).items() if v),
         "error": job.error,
         "created_at": _iso(job.created_at),

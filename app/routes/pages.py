@@ -11,6 +11,8 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from sqlalchemy.orm import object_session
 from starlette.requests import ClientDisconnect
 
+from app.contract.results import export_errors
+from app.contract.training import FIELDS
 from app.db import SessionDep
 from app.filetypes import ACCEPT_ATTRIBUTE, SUPPORTED_LABEL
 from app.models import Job, JobState, Project
@@ -20,11 +22,11 @@ from app.services import inbox as inbox_service
 from app.services import jobs as jobs_service
 from app.services import planner
 from app.services import projects as projects_service
+from app.services import score_card as score_card_service
 from app.services import telemetry as telemetry_service
 from app.services.errors import InvalidInput
 from app.services.uploads import UploadRejected, check_content_length, receive_files
 from app.settings import settings
-from app.training_defaults import LIMITS
 
 from .templating import hx_target, is_htmx, render
 
@@ -56,20 +58,6 @@ def create_project(
     return RedirectResponse(f"/projects/{project.id}", status_code=303)
 
 
-_FIELD_TEXT = {
-    "epochs": ("Epochs", "How many times training reads all your documents"),
-    "learning_rate": (
-        "Learning rate",
-        "How big each learning step is; too high can make the model forget",
-    ),
-    "lora_rank": ("LoRA rank", "Size of the LoRA add-on; higher can hold more (LoRA only)"),
-    "max_seq_len": (
-        "Max sequence length",
-        "Tokens the model reads at once; longer needs more memory",
-    ),
-}
-
-
 def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
     session = object_session(project)
     corpus = projects_service.corpus_of(project)
@@ -77,12 +65,11 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
     defaults = jobs_service.defaults_for(corpus, "lora")
     fields = {}
     fmt = jobs_service.format_number
-    for name, (label, hint) in _FIELD_TEXT.items():
-        low, high = LIMITS[name]
-        fields[name] = {
-            "label": label,
-            "hint": f"{hint} ({fmt(low)} to {fmt(high)}).",
-            "placeholder": f"{jobs_service.format_number(defaults[name])} (default)",
+    for f in FIELDS:
+        fields[f.name] = {
+            "label": f.label,
+            "hint": f"{f.hint} ({fmt(f.low)} to {fmt(f.high)}).",
+            "placeholder": f"{fmt(defaults[f.name])} (default)",
         }
     jobs = jobs_service.job_rows(project)
     profile = planner.load_profile()  # None until the training worker has measured the machine
@@ -269,14 +256,14 @@ def _job_context(job: Job) -> dict[str, Any]:
         "percent": percent,
         "chart": jobs_service.loss_chart(job.loss_history, job.total_steps),
         "disk": telemetry_service.describe(job.telemetry),
-        "card": jobs_service.job_score_card(job),
+        "card": score_card_service.job_score_card(job),
         "downloads": [
             (kind, label)
             for kind, label in jobs_service.ARTIFACT_LABELS.items()
             if artifacts.get(kind)
         ],
         "download_hints": jobs_service.ARTIFACT_HINTS,
-        "export_errors": sorted(((job.scores or {}).get("export_errors") or {}).items()),
+        "export_errors": sorted(export_errors(job.export_errors).items()),
         "sources": [
             documents_service.display_name(str(s.get("name", ""))) for s in job.sources or []
         ],

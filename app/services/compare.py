@@ -1,19 +1,19 @@
 """Compare two finished versions of a project's model on the same probes.
 
-Each job stores the probes it was scored on (Job.scores[side]["questions"]["items"] and
-["probes"]), so two jobs are compared on the probes they share: all of them when the two
-jobs were built from the same documents with the same settings, fewer when not, and the
-page says which. No model runs here: the figures are the ones the worker measured.
+Each job stores the probes it was scored on (app.contract.scores: a side's questions'
+items and its probes), so two jobs are compared on the probes they share: all of them when
+the two jobs were built from the same documents with the same settings, fewer when not,
+and the page says which. No model runs here: the figures are the ones the worker measured.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from app.contract.scores import Probe, Question, RecallKind, Side, headline_kind, parse_scores
 from app.models import Job, JobState, Project
 from app.services.errors import InvalidInput, NotFound
 
@@ -53,38 +53,39 @@ class Comparison:
     facts: list[FactRow] = field(default_factory=list)  # where the two differ first
 
 
+def _scored(job: Job) -> bool:
+    """A done job whose scores have an "after" side worth comparing."""
+    if job.state != JobState.done or not (job.scores or {}).get("after"):
+        return False
+    try:
+        parse_scores(job.scores)
+    except ValueError:
+        return False
+    return True
+
+
 def comparable_jobs(project: Project) -> list[Job]:
     """The project's finished jobs that have scores, newest first."""
-    return sorted(
-        (j for j in project.jobs if j.state == JobState.done and (j.scores or {}).get("after")),
-        key=lambda j: j.id,
-        reverse=True,
-    )
+    return sorted((j for j in project.jobs if _scored(j)), key=lambda j: j.id, reverse=True)
 
 
-def _items(side: Mapping[str, Any], kind: str) -> dict[tuple[str, str], Mapping[str, Any]]:
+Asked = Probe | Question
+_Key = tuple[str, str]
+
+
+def _items(side: Side, kind: RecallKind) -> dict[_Key, Asked]:
+    """A side's probes of `kind`, by (question or prompt, answer)."""
     if kind == "questions":
-        raw = (side.get("questions") or {}).get("items") or []
-        key = "question"
-    else:
-        raw = side.get("probes") or []
-        key = "prompt"
-    return {
-        (str(p.get(key) or ""), str(p.get("answer") or "")): p
-        for p in raw
-        if isinstance(p, Mapping)
-    }
+        return {(q.question, q.answer): q for q in side.questions.items}
+    return {(p.prompt, p.answer): p for p in side.probes}
 
 
 def _pct(hits: int, n: int) -> str:
     return f"{hits} of {n} ({100 * hits / n:.0f}%)" if n else "—"
 
 
-def _fmt(value: Any, digits: int = 1) -> str:
-    try:
-        return f"{float(value):,.{digits}f}"
-    except (TypeError, ValueError):
-        return "—"
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
 
 
 def _share(value: float | None) -> str:
@@ -97,13 +98,6 @@ def _better(a: float | None, b: float | None, lower_is_better: bool = False) -> 
     if lower_is_better:
         return "a" if a < b else "b"
     return "a" if a > b else "b"
-
-
-def _float(value: Any) -> float | None:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return None
 
 
 def _documents_differ(a: Job, b: Job) -> str:
@@ -119,110 +113,137 @@ def _documents_differ(a: Job, b: Job) -> str:
     return "; ".join(parts)
 
 
-def compare_jobs(a: Job, b: Job) -> Comparison:
-    """Job A against job B on the probes both were scored on."""
-    after_a, after_b = a.scores["after"], b.scores["after"]
-    base_a = (a.scores or {}).get("before") or {}
-    has_q = bool((after_a.get("questions") or {}).get("n")) and bool(
-        (after_b.get("questions") or {}).get("n")
-    )
-    kind = "questions" if has_q else "completion"
-    items_a, items_b = _items(after_a, kind), _items(after_b, kind)
-    items_base = _items(base_a, kind)
-    common = [k for k in items_a if k in items_b]
-    same = bool(items_a) and items_a.keys() == items_b.keys()
+@dataclass
+class _Probes:
+    """The probes of the compared kind: each job's, the base model's (as scored by job A),
+    and the ones both jobs share, in job A's order."""
 
-    if not items_a and not items_b:
-        message = "Neither job had facts to check, so recall cannot be compared."
-    elif same:
-        message = (
-            f"Both jobs were scored on the same {len(common)} "
-            f"{'questions' if kind == 'questions' else 'fact checks'}: a fair comparison."
+    kind: RecallKind
+    a: dict[_Key, Asked]
+    b: dict[_Key, Asked]
+    base: dict[_Key, Asked]
+
+    @property
+    def common(self) -> list[_Key]:
+        return [k for k in self.a if k in self.b]
+
+    @property
+    def same(self) -> bool:
+        return bool(self.a) and self.a.keys() == self.b.keys()
+
+    def hits(self, items: dict[_Key, Asked]) -> int:
+        return sum(bool(items.get(k) and items[k].hit) for k in self.common)
+
+
+def _message(a: Job, b: Job, probes: _Probes) -> str:
+    """Whether the comparison is fair, in words."""
+    n = len(probes.common)
+    if not probes.a and not probes.b:
+        return "Neither job had facts to check, so recall cannot be compared."
+    if probes.same:
+        return (
+            f"Both jobs were scored on the same {n} "
+            f"{'questions' if probes.kind == 'questions' else 'fact checks'}: a fair comparison."
         )
-    else:
-        why = _documents_differ(a, b) or "they were built with different settings"
-        message = (
-            f"The two jobs were scored on different probes ({why}). The figures below use "
-            f"only the {len(common)} they share (job #{a.id} had {len(items_a)}, "
-            f"job #{b.id} had {len(items_b)})."
-        )
-    hits = {
-        name: sum(bool(items.get(k, {}).get("hit")) for k in common)
-        for name, items in (("a", items_a), ("b", items_b), ("base", items_base))
-    }
-    n = len(common)
-    metrics = [
-        MetricRow(
-            "Knowledge recall" + (" (questions)" if kind == "questions" else " (completions)"),
-            _pct(hits["base"], n) if items_base else "—",
-            _pct(hits["a"], n),
-            _pct(hits["b"], n),
-            _better(hits["a"], hits["b"]) if n else None,
-        )
-    ]
-    ppl_a, ppl_b = _float(after_a.get("perplexity")), _float(after_b.get("perplexity"))
-    metrics.append(
+    why = _documents_differ(a, b) or "they were built with different settings"
+    return (
+        f"The two jobs were scored on different probes ({why}). The figures below use "
+        f"only the {n} they share (job #{a.id} had {len(probes.a)}, "
+        f"job #{b.id} had {len(probes.b)})."
+    )
+
+
+def _recall_row(probes: _Probes) -> MetricRow:
+    n = len(probes.common)
+    hits_a, hits_b = probes.hits(probes.a), probes.hits(probes.b)
+    return MetricRow(
+        "Knowledge recall" + (" (questions)" if probes.kind == "questions" else " (completions)"),
+        _pct(probes.hits(probes.base), n) if probes.base else "—",
+        _pct(hits_a, n),
+        _pct(hits_b, n),
+        _better(hits_a, hits_b) if n else None,
+    )
+
+
+def _metric_rows(after_a: Side, after_b: Side, base: Side, same: bool) -> list[MetricRow]:
+    """Held-out perplexity, the forgetting check and the user's own questions."""
+    ppl_a, ppl_b = after_a.perplexity, after_b.perplexity
+    rows = [
         MetricRow(
             "Held-out perplexity (lower is better)",
-            _fmt(base_a.get("perplexity")),
+            _fmt(base.perplexity),
             _fmt(ppl_a),
             _fmt(ppl_b),
             _better(ppl_a, ppl_b, lower_is_better=True) if same else None,
             "" if same else "measured on different held-out text",
         )
-    )
-    gen_a = _float((after_a.get("general") or {}).get("perplexity"))
-    gen_b = _float((after_b.get("general") or {}).get("perplexity"))
+    ]
+    gen_a, gen_b = after_a.general.perplexity, after_b.general.perplexity
     if gen_a is not None or gen_b is not None:
-        metrics.append(
+        rows.append(
             MetricRow(
                 "Forgetting check: general-text perplexity (lower is better)",
-                _fmt((base_a.get("general") or {}).get("perplexity")),
+                _fmt(base.general.perplexity),
                 _fmt(gen_a),
                 _fmt(gen_b),
                 _better(gen_a, gen_b, lower_is_better=True),
             )
         )
-    f1_a = _float((after_a.get("qa") or {}).get("f1"))
-    f1_b = _float((after_b.get("qa") or {}).get("f1"))
+    f1_a, f1_b = after_a.qa.f1, after_b.qa.f1
     if f1_a is not None or f1_b is not None:
-        metrics.append(
+        rows.append(
             MetricRow(
                 "Your held-out questions: token F1",
-                _share(_float((base_a.get("qa") or {}).get("f1"))),
+                _share(base.qa.f1),
                 _share(f1_a),
                 _share(f1_b),
                 _better(f1_a, f1_b) if same else None,
                 "" if same else "different held-out questions",
             )
         )
+    return rows
 
+
+def _fact_rows(probes: _Probes) -> list[FactRow]:
+    """The shared probes, where the two jobs disagree first, then in document order."""
     facts = []
-    for k in common:
-        pa, pb = items_a[k], items_b[k]
+    for k in probes.common:
+        pa, pb = probes.a[k], probes.b[k]
         facts.append(
             FactRow(
                 question=k[0],
                 answer=k[1],
-                source=str(pa.get("source") or ""),
-                a_output=str(pa.get("output") or ""),
-                a_hit=bool(pa.get("hit")),
-                b_output=str(pb.get("output") or ""),
-                b_hit=bool(pb.get("hit")),
+                source=pa.source,
+                a_output=pa.output,
+                a_hit=pa.hit,
+                b_output=pb.output,
+                b_hit=pb.hit,
             )
         )
-    facts.sort(key=lambda f: f.a_hit == f.b_hit)  # disagreements first, then document order
+    facts.sort(key=lambda f: f.a_hit == f.b_hit)
+    return facts
+
+
+def compare_jobs(a: Job, b: Job) -> Comparison:
+    """Job A against job B on the probes both were scored on: the questions when both
+    measured them (the headline rule, app.contract.scores), else the completions."""
+    scores_a, scores_b = parse_scores(a.scores), parse_scores(b.scores)
+    after_a, after_b = scores_a.after or Side(), scores_b.after or Side()
+    base_a = scores_a.before
+    both_asked = headline_kind(after_a) == headline_kind(after_b) == "questions"
+    kind: RecallKind = "questions" if both_asked else "completion"
+    probes = _Probes(kind, _items(after_a, kind), _items(after_b, kind), _items(base_a, kind))
     return Comparison(
         job_a=a,
         job_b=b,
-        same_probes=same,
-        n_common=n,
-        n_a=len(items_a),
-        n_b=len(items_b),
+        same_probes=probes.same,
+        n_common=len(probes.common),
+        n_a=len(probes.a),
+        n_b=len(probes.b),
         kind=kind,
-        message=message,
-        metrics=metrics,
-        facts=facts,
+        message=_message(a, b, probes),
+        metrics=[_recall_row(probes), *_metric_rows(after_a, after_b, base_a, probes.same)],
+        facts=_fact_rows(probes),
     )
 
 
@@ -239,7 +260,7 @@ def compare_in_project(session: Session, project: Project, a_id: Any, b_id: Any)
         job = session.get(Job, job_id)
         if job is None or job.project_id != project.id:
             raise NotFound(f"Training job #{job_id} is not part of this project.")
-        if job.state != JobState.done or not (job.scores or {}).get("after"):
+        if not _scored(job):
             raise InvalidInput(f"Training job #{job_id} has no scores yet: it has not finished.")
         jobs.append(job)
     return compare_jobs(*jobs)

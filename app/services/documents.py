@@ -10,9 +10,10 @@ from typing import Literal
 from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session, SessionTransaction
 
-from app.db import utcnow
+from app.contract.tasks import INGEST_TASK
+from app.db import SessionFactory, utcnow
 from app.models import DocStatus, Document, Job, JobState, Project
-from app.queue import INGEST_TASK, enqueue_after_commit
+from app.queue import enqueue_after_commit
 from app.services.uploads import ReceivedFile, display_name, human_size
 
 # Files written for this unit of work; deleted again if it rolls back (see the listeners below).
@@ -241,12 +242,12 @@ def _track_new_file(session: Session, path: Path) -> None:
     session.info.setdefault(_NEW_FILES, []).append(path)
 
 
-@event.listens_for(Session, "after_commit")
+@event.listens_for(SessionFactory, "after_commit")
 def _keep_new_files(session: Session) -> None:
     session.info.pop(_NEW_FILES, None)
 
 
-@event.listens_for(Session, "after_soft_rollback")
+@event.listens_for(SessionFactory, "after_soft_rollback")
 def _delete_new_files(session: Session, previous_transaction: SessionTransaction) -> None:
     """Rows that never reached the database leave no files behind."""
     if previous_transaction.nested or previous_transaction.parent is not None:

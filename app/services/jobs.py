@@ -1,49 +1,44 @@
-"""Training jobs: starting one, cancelling it, and turning its row into what the page shows.
+"""Training jobs: starting one, cancelling it, and turning its row into what the page shows
+(the score card itself: app/services/score_card.py).
 
-The worker owns a job once it is queued: it moves `state`, writes progress, scores and
-artifacts. The web side only creates the row, asks for cancellation, and reads."""
+The worker owns a job once it is queued: it moves `state`, writes progress, scores, the other
+results and artifacts. The web side only creates the row, asks for cancellation, and reads."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from app.contract.artifacts import ADAPTER, GGUF_F16, GGUF_Q8_0, MERGED
+from app.contract.results import export_errors
+from app.contract.tasks import TRAIN_TASK
+from app.contract.training import FIELDS, METHODS, default_params
 from app.models import Job, JobState, Project
-from app.queue import TRAIN_TASK, enqueue_after_commit
+from app.queue import enqueue_after_commit
 from app.services.documents import model_versions
 from app.services.errors import InvalidInput, NotFound
 from app.services.projects import Corpus, corpus_of
-from app.services.verdict import FORGETTING_RISE, Verdict, verdict
-from app.services.verdict import finite_number as _num
+from app.services.score_card import score_summary
 from app.settings import settings
-from app.training_defaults import LIMITS, METHODS, default_params
 
-METHOD_LABELS = {"lora": "LoRA (small add-on, fast)", "full": "Full fine-tuning (all weights)"}
+# The downloads as the job page lists them (app.contract.artifacts.KINDS), in this order.
 ARTIFACT_LABELS = {
-    "adapter": "LoRA adapter (.zip)",
-    "merged": "Merged model (.zip)",
-    "gguf-q8_0": "GGUF for llama.cpp / Ollama, 8-bit (.zip)",
-    "gguf-f16": "GGUF for llama.cpp / Ollama, 16-bit (.zip)",
+    ADAPTER: "LoRA adapter (.zip)",
+    MERGED: "Merged model (.zip)",
+    GGUF_Q8_0: "GGUF for llama.cpp / Ollama, 8-bit (.zip)",
+    GGUF_F16: "GGUF for llama.cpp / Ollama, 16-bit (.zip)",
 }
 ARTIFACT_HINTS = {
-    "adapter": "Small; load it on top of the base model (peft).",
-    "merged": "The complete model with your training built in (transformers, safetensors).",
-    "gguf-q8_0": "Half the size of 16-bit, nearly the same answers; with an Ollama Modelfile.",
-    "gguf-f16": "Full 16-bit precision; with an Ollama Modelfile.",
-}
-
-# The Advanced form: field -> (label, whole number?)
-ADVANCED_FIELDS: dict[str, tuple[str, bool]] = {
-    "epochs": ("Epochs", True),
-    "learning_rate": ("Learning rate", False),
-    "lora_rank": ("LoRA rank", True),
-    "max_seq_len": ("Max sequence length", True),
+    ADAPTER: "Small; load it on top of the base model (peft).",
+    MERGED: "The complete model with your training built in (transformers, safetensors).",
+    GGUF_Q8_0: "Half the size of 16-bit, nearly the same answers; with an Ollama Modelfile.",
+    GGUF_F16: "Full 16-bit precision; with an Ollama Modelfile.",
 }
 
 
@@ -108,11 +103,11 @@ def parse_train_form(form: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if method not in METHODS:
         errors["method"] = "Please choose LoRA or full fine-tuning."
     overrides: dict[str, Any] = {}
-    for name, (label, whole) in ADVANCED_FIELDS.items():
+    for f in FIELDS:
+        name, label, whole, low, high = f.name, f.label, f.whole, f.low, f.high
         raw = str(form.get(name) or "").strip()
         if not raw:
             continue
-        low, high = LIMITS[name]
         kind = "a whole number" if whole else "a number"
         bounds = f"from {format_number(low)} to {format_number(high)}"
         try:
@@ -236,7 +231,7 @@ def artifact_file(job: Job, kind: str) -> Path:
     if not raw:
         if job.state != JobState.done:
             raise NotFound("Downloads are ready once the training job has finished.")
-        failed = ((job.scores or {}).get("export_errors") or {}).get(kind)
+        failed = export_errors(job.export_errors).get(kind)
         if failed:
             raise NotFound(str(failed))
         raise NotFound(f"This job has no {label.split(' (')[0].lower()} to download.")
@@ -332,255 +327,6 @@ def loss_chart(
         last_step=int(pts[-1][0]),
         total_steps=int(x_end),
     )
-
-
-# Scores
-
-
-@dataclass
-class Recall:
-    n_recalled: int
-    n_probes: int
-
-    @property
-    def pct(self) -> float | None:
-        return 100.0 * self.n_recalled / self.n_probes if self.n_probes else None
-
-
-@dataclass
-class ProbeRow:
-    prompt: str
-    answer: str
-    source: str
-    base_output: str
-    base_hit: bool
-    tuned_output: str
-    tuned_hit: bool
-    sentence: str = ""
-
-
-@dataclass
-class QARow:
-    """One of the user's held-out questions, answered before and after."""
-
-    question: str
-    answer: str
-    base_output: str
-    tuned_output: str
-    base_f1: float | None
-    tuned_f1: float | None
-    base_hit: bool
-    tuned_hit: bool
-
-
-@dataclass
-class ScoreCard:
-    # The headline: facts asked as questions in chat when measured, else completions.
-    recall_before: Recall
-    recall_after: Recall
-    perplexity_before: float | None
-    perplexity_after: float | None
-    n_heldout_chunks: int
-    probes: list[ProbeRow] = field(default_factory=list)  # sentence completions (a sample)
-    qa_n: int = 0
-    qa_f1_before: float | None = None
-    qa_f1_after: float | None = None
-    qa_exact_before: float | None = None
-    qa_exact_after: float | None = None
-    recall_kind: str = "completion"  # "questions" | "completion"
-    completion_before: Recall | None = None  # the completion form, when the headline is questions
-    completion_after: Recall | None = None
-    general_before: float | None = None  # forgetting check: general-text perplexity
-    general_after: float | None = None
-    side_by_side: list[ProbeRow] = field(default_factory=list)  # questions, base vs tuned
-    qa_rows: list[QARow] = field(default_factory=list)
-    verdict: Verdict | None = None
-    notes: list[str] = field(default_factory=list)  # from dataset building
-    # Incremental jobs: the version the job started from, measured on the same probes and
-    # passages. The recall is of the same kind as the headline (questions or completions).
-    has_previous: bool = False
-    previous_label: str | None = None  # "v2"
-    recall_previous: Recall | None = None
-    perplexity_previous: float | None = None
-    general_previous: float | None = None
-    qa_f1_previous: float | None = None
-
-    @property
-    def n_probes(self) -> int:
-        return self.recall_after.n_probes or self.recall_before.n_probes
-
-    @property
-    def n_completions(self) -> int:
-        side = self.completion_after or self.recall_after
-        return side.n_probes
-
-    @property
-    def general_rise(self) -> float | None:
-        """Relative rise of the general-text perplexity (0.3 = 30% worse)."""
-        if self.general_before and self.general_after is not None:
-            return self.general_after / self.general_before - 1
-        return None
-
-    @property
-    def forgetting(self) -> bool:
-        rise = self.general_rise
-        return rise is not None and rise > FORGETTING_RISE
-
-
-def _recall(side: Mapping[str, Any]) -> Recall:
-    n_probes = int(side.get("n_probes") or 0)
-    n_recalled = side.get("n_recalled")
-    if n_recalled is None and side.get("recall") is not None:
-        n_recalled = round(float(side["recall"]) * n_probes)
-    return Recall(int(n_recalled or 0), n_probes)
-
-
-def _paired_rows(
-    before: list[Any], after: list[Any], key: tuple[str, str], prompt_key: str
-) -> list[ProbeRow]:
-    """Before/after outputs of the same probes, learned facts first, then the ones the tuned
-    model gets right, then the rest (each group in document order)."""
-    base_by = {
-        (p.get(key[0]), p.get(key[1])): p for p in before if isinstance(p, Mapping)
-    }
-    rows = []
-    for p in after:
-        if not isinstance(p, Mapping):
-            continue
-        base = base_by.get((p.get(key[0]), p.get(key[1])), {})
-        rows.append(
-            ProbeRow(
-                prompt=str(p.get(prompt_key) or ""),
-                answer=str(p.get("answer") or ""),
-                source=str(p.get("source") or ""),
-                base_output=str(base.get("output") or ""),
-                base_hit=bool(base.get("hit")),
-                tuned_output=str(p.get("output") or ""),
-                tuned_hit=bool(p.get("hit")),
-                sentence=str(p.get("sentence") or ""),
-            )
-        )
-    rows.sort(key=lambda r: (r.tuned_hit == r.base_hit, not r.tuned_hit))
-    return rows
-
-
-def _previous_figures(card: ScoreCard, previous: Mapping[str, Any], label: str | None) -> None:
-    """Fill the card's previous-version figures from scores["previous"] (evaluate()'s shape),
-    with the recall of the same kind as the card's headline: questions or completions."""
-    card.has_previous = True
-    card.previous_label = label
-    if card.recall_kind == "questions":
-        q_prev: Mapping[str, Any] = previous.get("questions") or {}
-        if q_prev.get("n"):
-            card.recall_previous = Recall(int(q_prev.get("n_recalled") or 0), int(q_prev["n"]))
-    elif previous.get("n_probes"):
-        card.recall_previous = _recall(previous)
-    card.perplexity_previous = _num(previous.get("perplexity"))
-    card.general_previous = _num((previous.get("general") or {}).get("perplexity"))
-    card.qa_f1_previous = _num((previous.get("qa") or {}).get("f1"))
-
-
-def score_card(
-    scores: Mapping[str, Any] | None,
-    max_probes: int = 8,
-    params: Mapping[str, Any] | None = None,
-    side_by_side: int = 5,
-    previous_label: str | None = None,
-) -> ScoreCard | None:
-    """The before/after comparison with its verdict, or None when the job has no scores.
-
-    An incremental job's card also carries the version it started from (scores["previous"];
-    `previous_label` names it, e.g. "v2")."""
-    if not scores or not isinstance(scores.get("after"), Mapping):
-        return None
-    before: Mapping[str, Any] = scores.get("before") or {}
-    after: Mapping[str, Any] = scores["after"]
-    q_before: Mapping[str, Any] = before.get("questions") or {}
-    q_after: Mapping[str, Any] = after.get("questions") or {}
-    has_questions = bool(q_after.get("n"))
-    completion_before, completion_after = _recall(before), _recall(after)
-    card = ScoreCard(
-        recall_before=completion_before,
-        recall_after=completion_after,
-        perplexity_before=_num(before.get("perplexity")),
-        perplexity_after=_num(after.get("perplexity")),
-        n_heldout_chunks=int(after.get("n_heldout_chunks") or before.get("n_heldout_chunks") or 0),
-        general_before=_num((before.get("general") or {}).get("perplexity")),
-        general_after=_num((after.get("general") or {}).get("perplexity")),
-        verdict=verdict(before, after, params),
-        notes=[str(n) for n in (scores.get("dataset") or {}).get("notes") or []],
-    )
-    if has_questions:
-        card.recall_kind = "questions"
-        card.recall_before = Recall(int(q_before.get("n_recalled") or 0), int(q_after["n"]))
-        card.recall_after = Recall(int(q_after.get("n_recalled") or 0), int(q_after["n"]))
-        card.completion_before, card.completion_after = completion_before, completion_after
-        card.side_by_side = _paired_rows(
-            list(q_before.get("items") or []),
-            list(q_after.get("items") or []),
-            ("question", "answer"),
-            "question",
-        )[:side_by_side]
-    previous = scores.get("previous")
-    if isinstance(previous, Mapping):
-        _previous_figures(card, previous, previous_label)
-    card.probes = _paired_rows(
-        list(before.get("probes") or []), list(after.get("probes") or []), ("prompt", "answer"),
-        "prompt",
-    )[:max_probes]
-    qa_before: Mapping[str, Any] = before.get("qa") or {}
-    qa_after: Mapping[str, Any] = after.get("qa") or {}
-    card.qa_n = int(qa_after.get("n") or 0)
-    if card.qa_n:
-        card.qa_f1_before = _num(qa_before.get("f1"))
-        card.qa_f1_after = _num(qa_after.get("f1"))
-        card.qa_exact_before = _num(qa_before.get("exact"))
-        card.qa_exact_after = _num(qa_after.get("exact"))
-        base_by_q = {
-            i.get("question"): i for i in qa_before.get("items") or [] if isinstance(i, Mapping)
-        }
-        for item in list(qa_after.get("items") or [])[:side_by_side]:
-            if not isinstance(item, Mapping):
-                continue
-            base = base_by_q.get(item.get("question"), {})
-            card.qa_rows.append(
-                QARow(
-                    question=str(item.get("question") or ""),
-                    answer=str(item.get("answer") or ""),
-                    base_output=str(base.get("output") or ""),
-                    tuned_output=str(item.get("output") or ""),
-                    base_f1=_num(base.get("f1")),
-                    tuned_f1=_num(item.get("f1")),
-                    base_hit=bool(base.get("contains")),
-                    tuned_hit=bool(item.get("contains")),
-                )
-            )
-    return card
-
-
-def job_score_card(job: Job) -> ScoreCard | None:
-    """The job page's score card: a done job's scores, with the version it started from
-    named ("v2") when it continued one."""
-    if job.state != JobState.done:
-        return None
-    label = model_versions(job.project).get(job.parent_job_id) if job.parent_job_id else None
-    return score_card(job.scores, params=job.params, previous_label=label)
-
-
-def score_summary(scores: Mapping[str, Any] | None) -> str | None:
-    """One line for the job list, e.g. "Recall 10% → 45% (previous version 30%)": the card's
-    headline recall, so the line and the card always quote the same figures."""
-    card = score_card(scores)
-    if card is None or card.recall_after.pct is None:
-        return None
-    before = card.recall_before.pct
-    after = card.recall_after.pct
-    line = f"Recall {before:.0f}% → {after:.0f}%" if before is not None else f"Recall {after:.0f}%"
-    # The version it started from, on the same probes.
-    was = card.recall_previous.pct if card.recall_previous is not None else None
-    if was is not None:
-        line += f" (previous version {was:.0f}%)"
-    return line
 
 
 def job_state_label(job: Job) -> str:

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from app.contract.machine_profile import is_current
+from app.contract.training import METHODS, default_params
 from app.services.jobs import human_duration
 from app.services.projects import Corpus
 from app.services.uploads import human_size
 from app.settings import settings
-from app.training_defaults import METHODS, default_params
 
 TOKENS_PER_WORD = 1.4
 TOKENS_PER_QA = 60  # a short question and answer in the chat template
@@ -38,7 +39,6 @@ TOKENS_PER_QA = 60  # a short question and answer in the chat template
 # corpus (tests/fixtures/docs.py) at generated_qa = 2. Real documents state fewer facts per
 # word than that corpus does, so this errs long.
 PRACTICE_QA_PER_WORD = 0.085
-PROFILE_FORMAT = 1
 ESTIMATING = "Estimating this machine's speed…"
 
 
@@ -54,18 +54,15 @@ class Estimate:
 
 
 def load_profile(path: Path | None = None) -> dict[str, Any] | None:
-    """The machine profile the worker wrote, or None: not measured yet, unreadable, or made
-    for another base model (the worker measures again when it restarts)."""
+    """The machine profile the worker wrote (app.contract.machine_profile), or None: not
+    measured yet, unreadable, of another format or shape, or made for another base model
+    (the worker measures again when it restarts)."""
     path = path or settings.machine_profile_path
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-        return None
-    if data.get("base_model") != settings.base_model:
-        return None
-    return data
+    return data if is_current(data, settings.base_model) else None
 
 
 def _steps(corpus: Corpus, params: Mapping[str, Any], batch_size: int) -> tuple[int, int]:

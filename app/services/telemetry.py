@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.contract.scores import finite_number as _num
 from app.services.uploads import human_size
-from app.services.verdict import finite_number as _num
 
 
 @dataclass

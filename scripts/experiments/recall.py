@@ -33,7 +33,7 @@ import torch
 
 _QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
 _LR1 = _QA2 | {"learning_rate": 1e-3}
-_DEFAULT = _LR1 | {"replay": 16}  # the app's default on this corpus (app.training_defaults)
+_DEFAULT = _LR1 | {"replay": 16}  # the app's default on this corpus (app.contract.training)
 
 RECIPES: dict[str, dict] = {
     # The defaults before this measurement: document text only.
@@ -59,8 +59,8 @@ RECIPES: dict[str, dict] = {
 
 
 def default_recipe(docs: list) -> dict:
-    """What the Train button would use for this corpus (app.training_defaults)."""
-    from app.training_defaults import default_params
+    """What the Train button would use for this corpus (app.contract.training)."""
+    from app.contract.training import default_params
 
     n_words = sum(len(d.text.split()) for d in docs)
     n_qa = sum(len(d.qa_pairs) for d in docs)
@@ -211,15 +211,19 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
 
 
 def _summary(scores: dict) -> dict:
-    q, e = scores["questions"], scores["employee"]
+    """One side's figures (app.contract.scores) and the employee questions asked of it."""
+    from app.contract.scores import as_side
+
+    e = scores["employee"]
+    side = as_side({k: v for k, v in scores.items() if k != "employee"})
     return {
         "employee": f"{e['hits']}/{e['n']}",
         "employee_text": f"{e['hits_text']}/{e['n_text']}",
-        "probe_questions": f"{q['n_recalled']}/{q['n']}",
-        "completions": f"{scores['n_recalled']}/{scores['n_probes']}",
-        "heldout_ppl": round(scores["perplexity"], 2) if scores["perplexity"] else None,
-        "general_ppl": round(scores["general"]["perplexity"], 2),
-        "qa_f1": scores["qa"]["f1"],
+        "probe_questions": f"{side.questions.n_recalled}/{side.questions.n}",
+        "completions": f"{side.n_recalled}/{side.n_probes}",
+        "heldout_ppl": round(side.perplexity, 2) if side.perplexity else None,
+        "general_ppl": round(side.general.perplexity, 2),
+        "qa_f1": side.qa.f1,
     }
 
 

@@ -38,31 +38,19 @@ runpy.run_module("worker.cli", run_name="__main__")
 
 
 def build_model(out: Path, hidden: int, layers: int) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    """A random Llama `hidden` wide and `layers` deep (the tests' tiny model factory, scaled
+    up) with SmolLM2's tokenizer, saved to `out`."""
+    from tests.worker.models import save_tiny_model
 
-    from worker.training.base_model import make_config_portable, save_embedded_tokenizer
-
-    tok_dir = save_embedded_tokenizer(out)
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    config = LlamaConfig(
-        vocab_size=len(tok),
+    return save_tiny_model(
+        out,
+        seed=0,
         hidden_size=hidden,
         intermediate_size=int(hidden * 2.75) // 64 * 64,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
         num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    make_config_portable(out)
-    return out
 
 
 def main() -> None:

@@ -46,8 +46,7 @@ def _reset_engine() -> None:
 
     if app.db._engine is not None:
         app.db._engine.dispose()
-    app.db._engine = None
-    app.db._factory = None
+    app.db._engine = None  # the next session binds app.db.SessionFactory to a new engine
 
 
 def _point_celery_at(url: str) -> None:

@@ -53,6 +53,9 @@ def test_job_json(client, env):
                 "adapter": str(env.data_dir / "a.zip"),
                 "merged": str(env.data_dir / "m.zip"),
             },
+            dataset={"n_train_examples": 12, "notes": ["10 recall probes."]},
+            metrics={"train_seconds": 2.5, "steps": 120},
+            export_errors={"gguf-f16": "The GGUF file (f16) could not be made: no space."},
         )
         job_id = job.id
     data = client.get(f"/api/jobs/{job_id}").json()
@@ -60,6 +63,10 @@ def test_job_json(client, env):
     assert (data["step"], data["total_steps"]) == (120, 120)
     assert data["loss_history"][0] == [0, 3.0]
     assert data["scores"] == sample_scores()
+    # The other results have keys of their own (Job.dataset, Job.metrics, Job.export_errors).
+    assert data["dataset"]["notes"] == ["10 recall probes."]
+    assert data["metrics"] == {"train_seconds": 2.5, "steps": 120}
+    assert data["export_errors"] == {"gguf-f16": "The GGUF file (f16) could not be made: no space."}
     assert data["artifacts"] == ["adapter", "merged"]  # kinds only, never server paths
     assert "a.zip" not in str(data)
 

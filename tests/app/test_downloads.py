@@ -9,10 +9,10 @@ from app.models import Job, JobState
 from .factories import make_job, make_project, sample_scores, write_artifact
 
 
-def _done_job(env, kinds=("adapter", "merged", "gguf-f16", "gguf-q8_0"), **scores_extra) -> int:
+def _done_job(env, kinds=("adapter", "merged", "gguf-f16", "gguf-q8_0"), **fields) -> int:
     with session_scope() as session:
         project = make_project(session, "Downloads")
-        job = make_job(session, project, JobState.done, scores=sample_scores() | scores_extra)
+        job = make_job(session, project, JobState.done, scores=sample_scores(), **fields)
         job_id = job.id
     paths = {k: write_artifact(env.data_dir, job_id, k, size=256 * 1024) for k in kinds}
     with session_scope() as session:

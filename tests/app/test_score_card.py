@@ -8,7 +8,7 @@ from typing import Any
 
 from app.db import session_scope
 from app.models import JobState
-from app.services.jobs import score_card, score_summary
+from app.services.score_card import score_card, score_summary
 
 from .factories import make_job, make_project
 
@@ -20,7 +20,7 @@ def full_scores(
     general: tuple[float, float] = (20.0, 21.0),
     qa: bool = True,
 ) -> dict[str, Any]:
-    """Scores as worker.scoring.evaluate writes them (one dict per side, plus dataset notes)."""
+    """Scores as worker.scoring.evaluate writes them (one dict per side)."""
 
     def side(hits: int, tuned: bool) -> dict[str, Any]:
         items = [
@@ -84,11 +84,10 @@ def full_scores(
             },
         }
 
-    return {
-        "before": side(before_hits, False),
-        "after": side(after_hits, True),
-        "dataset": {"notes": ["10 recall probes from 1 document(s)."]},
-    }
+    return {"before": side(before_hits, False), "after": side(after_hits, True)}
+
+
+DATASET = {"n_probes": 10, "notes": ["10 recall probes from 1 document(s)."]}
 
 
 PARAMS = {"method": "lora", "epochs": 8, "learning_rate": 2e-4}
@@ -120,7 +119,7 @@ def test_forgetting_is_flagged():
 def _page(client, scores) -> str:
     with session_scope() as session:
         project = make_project(session, "Score card")
-        job = make_job(session, project, JobState.done, scores=scores)
+        job = make_job(session, project, JobState.done, scores=scores, dataset=DATASET)
         job_id = job.id
     page = client.get(f"/jobs/{job_id}")
     assert page.status_code == 200
@@ -146,6 +145,7 @@ def test_job_page_shows_verdict_side_by_side_and_forgetting_check(client):
         "Your own questions, before and after (2 of 2)",
         "Can I return an item?",
         "How the verdict was reached",
+        "10 recall probes from 1 document(s).",  # the notes, from Job.dataset
     ):
         assert expected in text, expected
     assert text.count('class="source-sentence"') == 5
@@ -218,3 +218,11 @@ def test_job_page_shows_the_previous_version_for_each_metric(client):
     text = client.get(f"/jobs/{v1_id}").text  # started from the base model: no third value
     assert _PREVIOUS.findall(text) == [] and "Previous version" not in text
     assert "This training continued" not in text
+
+
+def test_scores_of_another_shape_show_no_card_rather_than_an_error(client):
+    broken = full_scores()
+    broken["after"]["n_probes"] = "many"  # not what worker.scoring writes
+    text = _page(client, broken)
+    assert "no scores were recorded for this job" in text and "Did it get better?" not in text
+    assert score_summary(broken) is None

@@ -9,12 +9,12 @@ import re
 import pytest
 from sqlalchemy import select
 
+from app.contract.tasks import TRAIN_TASK
+from app.contract.training import default_params
 from app.db import session_scope
 from app.models import DocStatus, Job, JobState, Project
-from app.queue import TRAIN_TASK
 from app.services import jobs as jobs_service
 from app.services.errors import InvalidInput
-from app.training_defaults import default_params
 
 from .factories import make_document, make_project
 

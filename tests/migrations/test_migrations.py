@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from datetime import datetime
 
 import pytest
+import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -19,16 +21,16 @@ PG_ADMIN_URL = os.environ.get(
 )
 
 
-def _upgrade(connection) -> None:
+def _upgrade(connection, revision: str = "head") -> None:
     cfg = alembic_config()
     cfg.attributes["connection"] = connection
-    command.upgrade(cfg, "head")
+    command.upgrade(cfg, revision)
 
 
-def _downgrade(connection) -> None:
+def _downgrade(connection, revision: str = "base") -> None:
     cfg = alembic_config()
     cfg.attributes["connection"] = connection
-    command.downgrade(cfg, "base")
+    command.downgrade(cfg, revision)
 
 
 def _assert_matches_models(engine) -> None:
@@ -75,3 +77,70 @@ def test_postgres_upgrade_matches_models_and_downgrades(postgres_engine):
     with postgres_engine.begin() as conn:
         _downgrade(conn)
     assert set(inspect(postgres_engine).get_table_names()) <= {"alembic_version"}
+
+
+# A done job as the worker wrote it before 0004: dataset stats, training figures and export
+# errors inside `scores`, next to the scores themselves.
+_SIDE = {"perplexity": 12.5, "n_probes": 2, "n_recalled": 1, "probes": []}
+_OLD_SCORES = {
+    "before": _SIDE | {"n_recalled": 0},
+    "after": _SIDE,
+    "dataset": {"n_train_examples": 9, "notes": ["2 recall probes from 1 document(s)."]},
+    "metrics": {"train_seconds": 3.5, "tokens_per_s": 800.0, "final_loss": 1.25, "steps": 4,
+                "tokens": 2048},
+    "export_errors": {"gguf-q8_0": "The GGUF file (q8_0) could not be made: the disk is full."},
+}
+_JOB_0003 = sa.table(
+    "jobs",
+    *(sa.column(name) for name in (
+        "id", "project_id", "state", "method", "step", "total_steps", "phase",
+        "cancel_requested", "attempts", "auto", "created_at",
+    )),
+    *(sa.column(name, sa.JSON()) for name in (
+        "params", "sources", "loss_history", "scores", "artifacts",
+    )),
+)  # fmt: skip
+
+
+def _scores_move_out_and_back(engine) -> None:
+    with engine.begin() as conn:
+        _upgrade(conn, "0003")
+        conn.execute(text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"),
+                     {"t": datetime(2026, 1, 1)})
+        row = {"project_id": 1, "state": "done", "method": "lora", "step": 4, "total_steps": 4,
+               "phase": "Done", "cancel_requested": False, "attempts": 1, "auto": False,
+               "created_at": datetime(2026, 1, 1), "params": {}, "sources": [],
+               "loss_history": [], "artifacts": {}}
+        conn.execute(sa.insert(_JOB_0003), [
+            row | {"id": 1, "scores": _OLD_SCORES},
+            row | {"id": 2, "scores": None, "state": "failed"},  # no scores: left alone
+        ])
+    with engine.begin() as conn:
+        _upgrade(conn)
+    jobs = sa.Table("jobs", sa.MetaData(), autoload_with=engine)
+    with engine.connect() as conn:
+        by_id = {r["id"]: r for r in conn.execute(sa.select(jobs)).mappings()}
+    moved = by_id[1]
+    assert moved["scores"] == {"before": _OLD_SCORES["before"], "after": _OLD_SCORES["after"]}
+    for name in ("dataset", "metrics", "export_errors"):
+        assert moved[name] == _OLD_SCORES[name], name
+    assert by_id[2]["scores"] is None and by_id[2]["dataset"] is None
+
+    with engine.begin() as conn:
+        _downgrade(conn, "0003")
+    assert {"dataset", "metrics", "export_errors"}.isdisjoint(
+        c["name"] for c in inspect(engine).get_columns("jobs")
+    )
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.select(_JOB_0003.c.id, _JOB_0003.c.scores).order_by(_JOB_0003.c.id)
+        ).all()
+    assert rows == [(1, _OLD_SCORES), (2, None)]
+
+
+def test_sqlite_moves_results_out_of_scores_and_back(tmp_path):
+    _scores_move_out_and_back(make_engine(f"sqlite:///{tmp_path / 'm.db'}"))
+
+
+def test_postgres_moves_results_out_of_scores_and_back(postgres_engine):
+    _scores_move_out_and_back(postgres_engine)

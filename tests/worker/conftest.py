@@ -1,5 +1,6 @@
 """Shared fixtures for the worker tests: the real SmolLM2 tokenizer and a tiny random
-Llama model built from a config (fast, deterministic, no weights downloaded)."""
+Llama model built from a config (fast, deterministic, no weights downloaded; the factory is
+tests/worker/models.py)."""
 
 from __future__ import annotations
 
@@ -40,23 +41,10 @@ def smol_tokenizer(request):
 
 @pytest.fixture(scope="session")
 def tiny_model(smol_tokenizer):
-    """A 2-layer Llama with random weights and SmolLM2's vocabulary, in eval mode."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer Llama with random weights (seed 0) and SmolLM2's vocabulary, in eval mode;
+    its output layer is its own (not tied to the embeddings)."""
+    from tests.worker.models import tiny_llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(smol_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=smol_tokenizer.bos_token_id,
-        eos_token_id=smol_tokenizer.eos_token_id,
-        pad_token_id=smol_tokenizer.pad_token_id,
+    return tiny_llama(
+        smol_tokenizer, seed=0, max_position_embeddings=512, tie_word_embeddings=False
     )
-    model = LlamaForCausalLM(config)
-    model.eval()
-    return model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.training.base_model import build_tiny_model
+from tests.worker.models import save_tiny_model
 
 _BUILT: dict[str, Path] = {}
 
@@ -27,7 +27,7 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer) -> Path:
         root = tmp_path_factory.mktemp("training-models")
         tok_dir = root / "tokenizer"
         smol_tokenizer.save_pretrained(tok_dir)
-        _BUILT["tiny"] = build_tiny_model(root / "tiny", tokenizer_dir=tok_dir, seed=0)
+        _BUILT["tiny"] = save_tiny_model(root / "tiny", tokenizer_dir=tok_dir, seed=0)
     return _BUILT["tiny"]
 
 

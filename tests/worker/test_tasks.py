@@ -109,7 +109,7 @@ def test_a_job_trains_scores_and_exports(tmp_path):
     assert after["perplexity"] is None or after["perplexity"] > 0
     assert after["questions"]["n"] == after["n_probes"]  # facts also asked as questions
     assert after["general"]["perplexity"] > 0  # the forgetting check
-    assert job.scores["export_errors"] == {}
+    assert job.export_errors == {} and set(job.scores) == {"before", "after"}  # scores only
     for kind in ("adapter", "merged", "gguf-f16", "gguf-q8_0"):
         path = Path(job.artifacts[kind])
         assert path.is_file() and path.stat().st_size > 0

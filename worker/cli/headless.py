@@ -11,10 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.contract.tasks import INGEST_TASK, TRAIN_TASK
+from app.contract.training import FIELD_NAMES
 from app.db import session_scope
 from app.migrate import upgrade_to_head
 from app.models import Job
-from app.queue import INGEST_TASK, INLINE, TRAIN_TASK
+from app.queue import INLINE
 from app.services.documents import register_uploads
 from app.services.errors import InvalidInput
 from app.services.jobs import create_job
@@ -23,8 +25,6 @@ from app.services.uploads import receive_local_file
 from app.settings import settings
 from worker.ingest import ingest_document
 from worker.jobs.run import run_job
-
-FORM_FIELDS = ("epochs", "learning_rate", "lora_rank", "max_seq_len")
 
 
 def _files(folder: Path) -> list[Path]:
@@ -70,18 +70,20 @@ def train_folder(folder: Path, overrides: dict[str, Any],
             ] + [{"name": o.name, "status": "refused", "words": 0, "qa_pairs": 0,
                   "error": o.message} for o in outcomes if o.fate == "refused"]
             form = {"method": overrides.get("method", "lora")}
-            form |= {k: str(overrides[k]) for k in FORM_FIELDS if k in overrides}
+            form |= {k: str(overrides[k]) for k in FIELD_NAMES if k in overrides}
             job = create_job(session, project, form)
             extra = {k: overrides[k] for k in ("seed", "max_steps") if k in overrides}
             job.params = {**job.params, **extra}
             result["job_id"] = job.id
     except InvalidInput as exc:
         return result | {"state": "failed", "error": exc.message, "scores": None,
+                         "dataset": None, "metrics": None, "export_errors": {},
                          "params": {}, "artifacts": {}}
     _run_inline(tasks, log)
 
     with session_scope() as session:
         job = session.get(Job, result["job_id"])
         return result | {"state": job.state, "error": job.error, "params": job.params,
-                         "scores": job.scores, "artifacts": job.artifacts,
-                         "loss_history": job.loss_history}
+                         "scores": job.scores, "dataset": job.dataset, "metrics": job.metrics,
+                         "export_errors": job.export_errors or {},
+                         "artifacts": job.artifacts, "loss_history": job.loss_history}

@@ -14,6 +14,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from app.contract.artifacts import ADAPTER, MERGED
+from app.contract.scores import Scores, Side, headline_kind, parse_scores
+from app.contract.training import FIELD_NAMES, FIELDS, METHODS
+from app.contract.verdict import verdict
+
 
 def _cmd_up(_args) -> int:
     from app.launcher import run
@@ -39,6 +44,10 @@ def _cmd_watch(_args) -> int:
     return watch()
 
 
+# Shorter spellings kept for scripts written against earlier versions.
+_FLAG_ALIASES = {"learning_rate": ["--lr"]}
+
+
 def _cmd_train(args) -> int:
     from worker.cli.headless import train_folder
 
@@ -46,15 +55,12 @@ def _cmd_train(args) -> int:
     if not folder.is_dir():
         print(f"error: {folder} is not a folder", file=sys.stderr)
         return 2
-    overrides = {k: v for k, v in {
-        "method": args.method, "epochs": args.epochs, "learning_rate": args.lr,
-        "lora_rank": args.lora_rank, "max_seq_len": args.max_seq_len, "seed": args.seed,
-        "max_steps": args.max_steps,
-    }.items() if v is not None}
+    names = ("method", *FIELD_NAMES, "seed", "max_steps")
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     result = train_folder(folder, overrides, log=None if args.json else print)
     if result["state"] == "done" and args.out:
-        kind = "adapter" if result["params"].get("method") == "lora" else "merged"
-        src = result["artifacts"].get(kind) or result["artifacts"]["merged"]
+        kind = ADAPTER if result["params"].get("method") == "lora" else MERGED
+        src = result["artifacts"].get(kind) or result["artifacts"][MERGED]
         shutil.copyfile(src, args.out)
         result["out"] = str(Path(args.out).resolve())
     if args.json:
@@ -64,32 +70,33 @@ def _cmd_train(args) -> int:
     return 0 if result["state"] == "done" else 1
 
 
+def _print_scores(scores: Scores, params: dict | None) -> None:
+    """The headline figures before -> after and the verdict (app.contract.verdict)."""
+    before, after = scores.before, scores.after or Side()
+    if headline_kind(after) == "questions":
+        n, hits = after.question_counts()
+        print(f"  knowledge recall (questions): {before.questions.n_recalled}/{n} -> {hits}/{n}")
+    print(f"  knowledge recall (completions): {before.n_recalled}/"
+          f"{before.n_probes} -> {after.n_recalled}/{after.n_probes}")
+    print(f"  held-out perplexity: {before.perplexity} -> {after.perplexity}")
+    if after.general.perplexity is not None:
+        print(f"  forgetting check (general-text perplexity): {before.general.perplexity} -> "
+              f"{after.general.perplexity}")
+    v = verdict(before, after, params)
+    print(f"  verdict: {v.headline}")
+    for advice in v.advice:
+        print(f"    - {advice}")
+
+
 def _print_summary(result: dict) -> None:
     print(f"\nJob {result['job_id']}: {result['state']}")
     if result.get("error"):
         print(f"  {result['error']}")
     for doc in result.get("documents", []):
         print(f"  {doc['status']:>9}  {doc['name']}" + (f"  ({doc['error']})" if doc["error"] else ""))
-    scores = result.get("scores") or {}
-    before, after = scores.get("before") or {}, scores.get("after") or {}
-    if after:
-        from app.services.verdict import verdict
-
-        q_before, q_after = before.get("questions") or {}, after.get("questions") or {}
-        if q_after.get("n"):
-            print(f"  knowledge recall (questions): {q_before.get('n_recalled')}/{q_after['n']} -> "
-                  f"{q_after.get('n_recalled')}/{q_after['n']}")
-        print(f"  knowledge recall (completions): {before.get('n_recalled')}/"
-              f"{before.get('n_probes')} -> {after.get('n_recalled')}/{after.get('n_probes')}")
-        print(f"  held-out perplexity: {before.get('perplexity')} -> {after.get('perplexity')}")
-        general_b = (before.get("general") or {}).get("perplexity")
-        general_a = (after.get("general") or {}).get("perplexity")
-        if general_a is not None:
-            print(f"  forgetting check (general-text perplexity): {general_b} -> {general_a}")
-        v = verdict(before, after, result.get("params"))
-        print(f"  verdict: {v.headline}")
-        for advice in v.advice:
-            print(f"    - {advice}")
+    scores = parse_scores(result.get("scores"))
+    if scores.after is not None and scores.after.measured:
+        _print_scores(scores, result.get("params"))
     if result.get("out"):
         print(f"  model: {result['out']}")
 
@@ -104,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("watch", help="only the folder watcher").set_defaults(func=_cmd_watch)
     train = sub.add_parser("train", help="train on the documents in a folder, without the web app")
     train.add_argument("dir", help="folder of documents (PDF, DOCX, HTML, MD, TXT, CSV/JSONL Q&A...)")
-    train.add_argument("--method", choices=["lora", "full"])
-    train.add_argument("--epochs", type=int)
-    train.add_argument("--lr", type=float, help="learning rate")
-    train.add_argument("--lora-rank", type=int)
-    train.add_argument("--max-seq-len", type=int)
+    train.add_argument("--method", choices=list(METHODS))
+    for field in FIELDS:  # the Train form's Advanced fields, with the same bounds
+        flags = ["--" + field.name.replace("_", "-")] + _FLAG_ALIASES.get(field.name, [])
+        train.add_argument(
+            *flags, dest=field.name, type=int if field.whole else float,
+            help=f"{field.hint} ({field.low:g} to {field.high:g})",
+        )
     train.add_argument("--seed", type=int)
     train.add_argument("--max-steps", type=int, help="stop after this many steps (quick trials)")
     train.add_argument("--out", help="write the model here (.zip: adapter for LoRA, merged for full)")

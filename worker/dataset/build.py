@@ -12,11 +12,17 @@ import random
 import re
 from dataclasses import dataclass
 
-from worker.dataset.corpus import DatasetSplit, Probe, SourceDoc
+from worker.dataset.corpus import (
+    IGNORE_INDEX,
+    DatasetSplit,
+    Probe,
+    SourceDoc,
+    answer_example,
+    text_example,
+)
 from worker.dataset.probes import fact_spans, make_probes, normalise, split_sentences
 from worker.dataset.questions import training_questions
-
-IGNORE_INDEX = -100  # label value the loss skips (the trainer pads labels with it too)
+from worker.errors import UserFacingError
 
 _PARA_SEP = "\n\n"
 
@@ -211,6 +217,7 @@ def make_generated_qa(
 
 
 # ---------------------------------------------------------------------------------------
+# The dataset, step by step: documents -> chunks and pairs -> hold-out -> examples -> probes.
 
 
 def build_dataset(
@@ -238,15 +245,64 @@ def build_dataset(
       probed fact is never taught in its probe's phrasing (see make_generated_qa).
     - Documents are ordered by name and content hash, identical documents and identical
       chunks are kept once, so the result does not depend on the order of `docs`.
-    """
-    n_special = len(encode_text(tokenizer, ""))
-    eos = tokenizer.eos_token_id
-    limit = max_seq_len - n_special - (1 if eos is not None else 0)
-    if limit < 8:
-        raise ValueError(f"max_seq_len={max_seq_len} is too short to hold any text")
-    notes: list[str] = []
 
-    # Stable order and no duplicate documents.
+    Each step adds its notes (what the score card says about the data) in this order.
+    """
+    limit = _text_limit(tokenizer, max_seq_len)
+    notes: list[str] = []
+    ordered = _unique_documents(docs, notes)
+    chunks = _document_chunks(tokenizer, ordered, limit, max_seq_len, notes)
+    qa = _qa_pairs(ordered)
+    held_chunks = _hold_out(len(chunks), holdout_frac, seed, "chunks")
+    held_qa = _hold_out(len(qa), holdout_frac, seed, "qa")
+    _note_hold_out(len(chunks), len(held_chunks), len(qa), len(held_qa), notes)
+
+    text_examples = _chunk_examples(tokenizer, chunks, held_chunks)
+    qa_examples = _qa_examples(tokenizer, qa, held_qa, max_seq_len, notes)
+    probe_docs = _trained_text(ordered, chunks, held_chunks)
+    probes = _probes(probe_docs, max_probes, seed, notes)
+    practice = _practice_examples(tokenizer, probe_docs, probes, generated_qa, max_seq_len, notes)
+
+    examples = text_examples + qa_examples + practice
+    # Mix documents and Q&A (a trainer that does not shuffle still sees both throughout).
+    random.Random(f"doctune-order-{seed}").shuffle(examples)
+    stats = {
+        "n_train_examples": len(examples),
+        "n_train_chunks": len(text_examples),
+        "n_train_qa": len(qa_examples),
+        "n_train_generated_qa": len(practice),
+        "n_train_tokens": sum(len(e["input_ids"]) for e in examples),
+        "n_train_loss_tokens": sum(
+            sum(1 for t in e["labels"] if t != IGNORE_INDEX) for e in examples
+        ),
+        "n_heldout_chunks": len(held_chunks),
+        "n_heldout_qa": len(held_qa),
+        "n_probes": len(probes),
+        "max_seq_len": max_seq_len,
+        "seed": seed,
+        "notes": notes,
+    }
+    return DatasetSplit(
+        train_examples=examples,
+        heldout_chunks=[c.text for i, c in enumerate(chunks) if i in held_chunks],
+        heldout_qa=[p for i, p in enumerate(qa) if i in held_qa],
+        probes=probes,
+        stats=stats,
+    )
+
+
+def _text_limit(tokenizer, max_seq_len: int) -> int:
+    """Tokens of document text a chunk may hold: max_seq_len less the special tokens the
+    tokenizer adds and the EOS of a document's last chunk."""
+    n_special = len(encode_text(tokenizer, ""))
+    limit = max_seq_len - n_special - (1 if tokenizer.eos_token_id is not None else 0)
+    if limit < 8:
+        raise UserFacingError(f"max_seq_len={max_seq_len} is too short to hold any text")
+    return limit
+
+
+def _unique_documents(docs: list[SourceDoc], notes: list[str]) -> list[SourceDoc]:
+    """`docs` in a stable order (name, then content hash), each content once."""
     ordered: list[SourceDoc] = []
     seen_sha: set[str] = set()
     for doc in sorted(docs, key=lambda d: (d.name.casefold(), d.name, d.sha256)):
@@ -255,8 +311,13 @@ def build_dataset(
             continue
         seen_sha.add(doc.sha256)
         ordered.append(doc)
+    return ordered
 
-    # Chunks of document text.
+
+def _document_chunks(
+    tokenizer, ordered: list[SourceDoc], limit: int, max_seq_len: int, notes: list[str]
+) -> list[_Chunk]:
+    """The documents' text in chunks of at most `limit` tokens, a repeated chunk once."""
     chunks: list[_Chunk] = []
     seen_chunks: set[str] = set()
     n_cut = n_dup_chunks = 0
@@ -278,8 +339,11 @@ def build_dataset(
         )
     if n_dup_chunks:
         notes.append(f"{n_dup_chunks} repeated passage(s) (e.g. headers) were used once.")
+    return chunks
 
-    # Q&A pairs, cleaned and deduplicated.
+
+def _qa_pairs(ordered: list[SourceDoc]) -> list[tuple[str, str]]:
+    """The documents' question-answer pairs, stripped, without empty or repeated ones."""
     qa: list[tuple[str, str]] = []
     seen_qa: set[tuple[str, str]] = set()
     for doc in ordered:
@@ -288,46 +352,59 @@ def build_dataset(
             if pair[0] and pair[1] and pair not in seen_qa:
                 seen_qa.add(pair)
                 qa.append(pair)
+    return qa
 
-    # Hold-out.
-    k_chunks = _n_holdout(len(chunks), holdout_frac)
-    held_chunks = _sample(len(chunks), k_chunks, seed, "chunks")
-    k_qa = _n_holdout(len(qa), holdout_frac)
-    held_qa = _sample(len(qa), k_qa, seed, "qa")
-    if chunks and not k_chunks:
+
+def _hold_out(n: int, frac: float, seed: int, stream: str) -> set[int]:
+    """Which of `n` items (chunks or pairs: `stream`) are held out for scoring."""
+    return _sample(n, _n_holdout(n, frac), seed, stream)
+
+
+def _note_hold_out(n_chunks: int, k_chunks: int, n_qa: int, k_qa: int, notes: list[str]) -> None:
+    if n_chunks and not k_chunks:
         notes.append(
-            f"Only {len(chunks)} text chunk(s): none held out, so there is no held-out "
+            f"Only {n_chunks} text chunk(s): none held out, so there is no held-out "
             "perplexity; all text is used for training."
         )
     elif k_chunks:
         notes.append(
-            f"{k_chunks} of {len(chunks)} text chunks held out to measure perplexity on "
+            f"{k_chunks} of {n_chunks} text chunks held out to measure perplexity on "
             "unseen text."
         )
-    if qa and not k_qa:
+    if n_qa and not k_qa:
         notes.append(
-            f"Only {len(qa)} question-answer pair(s): none held out, so answers are not "
+            f"Only {n_qa} question-answer pair(s): none held out, so answers are not "
             "scored on unseen questions."
         )
     elif k_qa:
-        notes.append(f"{k_qa} of {len(qa)} question-answer pairs held out to score answers.")
+        notes.append(f"{k_qa} of {n_qa} question-answer pairs held out to score answers.")
 
-    # Examples.
+
+def _chunk_examples(tokenizer, chunks: list[_Chunk], held: set[int]) -> list[dict]:
+    """Causal-LM examples of the chunks trained on; a document's last one ends in EOS."""
+    eos = tokenizer.eos_token_id
     examples: list[dict] = []
     for i, chunk in enumerate(chunks):
-        if i in held_chunks:
+        if i in held:
             continue
         ids = encode_text(tokenizer, chunk.text)
         if chunk.last and eos is not None and (not ids or ids[-1] != eos):
             ids.append(eos)
-        examples.append({"input_ids": ids, "labels": list(ids)})
-    n_train_chunks = len(examples)
+        examples.append(text_example(ids))
+    return examples
 
+
+def _qa_examples(
+    tokenizer, qa: list[tuple[str, str]], held: set[int], max_seq_len: int, notes: list[str]
+) -> list[dict]:
+    """Question-answer examples of the pairs trained on (loss on the answer): an answer cut
+    to fit, a question too long for any answer skipped."""
     if qa and not has_chat_template(tokenizer):
         notes.append("The tokenizer has no chat template: Q&A pairs use 'Question:/Answer:'.")
+    examples: list[dict] = []
     n_truncated = n_skipped = 0
     for i, (q, a) in enumerate(qa):
-        if i in held_qa:
+        if i in held:
             continue
         ids, n_prompt = encode_qa(tokenizer, q, a)
         if n_prompt >= max_seq_len - 1:
@@ -336,22 +413,30 @@ def build_dataset(
         if len(ids) > max_seq_len:
             n_truncated += 1
             ids = ids[:max_seq_len]
-        labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
-        examples.append({"input_ids": ids, "labels": labels})
-    n_train_qa = len(examples) - n_train_chunks
+        examples.append(answer_example(ids, n_prompt))
     if n_truncated:
         notes.append(f"{n_truncated} answer(s) were cut to fit {max_seq_len} tokens.")
     if n_skipped:
         notes.append(f"{n_skipped} question(s) were too long for {max_seq_len} tokens: skipped.")
+    return examples
 
-    # Probes from the trained-on text of each document.
+
+def _trained_text(
+    ordered: list[SourceDoc], chunks: list[_Chunk], held: set[int]
+) -> list[tuple[str, str]]:
+    """(document name, the text of its chunks that are trained on) for each document that
+    has any: what probes and practice questions are made from."""
     probe_docs: list[tuple[str, str]] = []
     for d, doc in enumerate(ordered):
-        text = _PARA_SEP.join(
-            c.text for i, c in enumerate(chunks) if c.doc == d and i not in held_chunks
-        )
+        text = _PARA_SEP.join(c.text for i, c in enumerate(chunks) if c.doc == d and i not in held)
         if text:
             probe_docs.append((doc.name, text))
+    return probe_docs
+
+
+def _probes(
+    probe_docs: list[tuple[str, str]], max_probes: int, seed: int, notes: list[str]
+) -> list[Probe]:
     probes = make_probes(probe_docs, max_probes=max_probes, seed=seed)
     if max_probes > 0 and not probes:
         notes.append(
@@ -362,47 +447,29 @@ def build_dataset(
         notes.append(
             f"{len(probes)} recall probes from {len({p.source for p in probes})} document(s)."
         )
+    return probes
 
-    # Question-answer examples made from the facts of the trained-on text.
-    n_generated = 0
-    if generated_qa > 0:
-        pairs = make_generated_qa(probe_docs, probes, generated_qa)
-        for q, a in pairs:
-            ids, n_prompt = encode_qa(tokenizer, q, a)
-            if len(ids) > max_seq_len:
-                continue
-            labels = [IGNORE_INDEX] * n_prompt + ids[n_prompt:]
-            examples.append({"input_ids": ids, "labels": labels})
-            n_generated += 1
-        if n_generated:
-            notes.append(
-                f"{n_generated} practice questions were made from the facts in your documents "
-                "(the recall check asks in other words)."
-            )
 
-    # Mix documents and Q&A (a trainer that does not shuffle still sees both throughout).
-    random.Random(f"doctune-order-{seed}").shuffle(examples)
-
-    stats = {
-        "n_train_examples": len(examples),
-        "n_train_chunks": n_train_chunks,
-        "n_train_qa": n_train_qa,
-        "n_train_generated_qa": n_generated,
-        "n_train_tokens": sum(len(e["input_ids"]) for e in examples),
-        "n_train_loss_tokens": sum(
-            sum(1 for t in e["labels"] if t != IGNORE_INDEX) for e in examples
-        ),
-        "n_heldout_chunks": k_chunks,
-        "n_heldout_qa": k_qa,
-        "n_probes": len(probes),
-        "max_seq_len": max_seq_len,
-        "seed": seed,
-        "notes": notes,
-    }
-    return DatasetSplit(
-        train_examples=examples,
-        heldout_chunks=[c.text for i, c in enumerate(chunks) if i in held_chunks],
-        heldout_qa=[p for i, p in enumerate(qa) if i in held_qa],
-        probes=probes,
-        stats=stats,
-    )
+def _practice_examples(
+    tokenizer,
+    probe_docs: list[tuple[str, str]],
+    probes: list[Probe],
+    per_fact: int,
+    max_seq_len: int,
+    notes: list[str],
+) -> list[dict]:
+    """Question-answer examples made from the facts of the trained-on text (none unless
+    `per_fact` > 0); one longer than max_seq_len is left out."""
+    if per_fact <= 0:
+        return []
+    examples: list[dict] = []
+    for q, a in make_generated_qa(probe_docs, probes, per_fact):
+        ids, n_prompt = encode_qa(tokenizer, q, a)
+        if len(ids) <= max_seq_len:
+            examples.append(answer_example(ids, n_prompt))
+    if examples:
+        notes.append(
+            f"{len(examples)} practice questions were made from the facts in your documents "
+            "(the recall check asks in other words)."
+        )
+    return examples

@@ -5,6 +5,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Label value the loss skips: prompt tokens of a question-answer example, and padding (the
+# trainer pads labels with it; worker.training.engines sums the loss over the rest).
+IGNORE_INDEX = -100
+
+
+def text_example(ids: list[int]) -> dict[str, list[int]]:
+    """A causal-LM training example: the loss on every token."""
+    return {"input_ids": ids, "labels": list(ids)}
+
+
+def answer_example(ids: list[int], n_prompt: int) -> dict[str, list[int]]:
+    """A question-answer training example: no loss on the first `n_prompt` tokens (the
+    question), the loss on the answer only."""
+    return {"input_ids": ids, "labels": [IGNORE_INDEX] * n_prompt + ids[n_prompt:]}
+
 
 @dataclass
 class SourceDoc:
@@ -35,7 +50,9 @@ class Probe:
 class DatasetSplit:
     """Everything one training job needs, built once, deterministically from the seed."""
 
-    train_examples: list[dict]  # {"input_ids": list[int], "labels": list[int]} (-100 = no loss)
+    # {"input_ids": list[int], "labels": list[int]} (IGNORE_INDEX: no loss), made by
+    # text_example / answer_example
+    train_examples: list[dict]
     heldout_chunks: list[str]  # document text kept out of training, for perplexity
     heldout_qa: list[tuple[str, str]]  # user Q&A pairs kept out of training
     probes: list[Probe]

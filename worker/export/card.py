@@ -5,6 +5,11 @@ the file with transformers, peft, llama.cpp and Ollama.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from app.contract.scores import Scores, Side, headline_kind, parse_scores
+from app.contract.verdict import verdict
+
 
 def _fmt(value, digits: int = 2) -> str:
     if value is None:
@@ -14,19 +19,16 @@ def _fmt(value, digits: int = 2) -> str:
     return str(value)
 
 
-def _recall(scores: dict) -> str:
-    n, hit = scores.get("n_probes"), scores.get("n_recalled")
-    if n:
-        return f"{hit} of {n} ({100 * hit / n:.0f}%)"
-    return "n/a (no probes)"
+def _of(n: int, hit: int) -> str:
+    return f"{hit} of {n} ({100 * hit / n:.0f}%)" if n else "n/a (no probes)"
 
 
-def _questions(scores: dict) -> str:
-    q = scores.get("questions") or {}
-    n, hit = q.get("n"), q.get("n_recalled")
-    if n:
-        return f"{hit} of {n} ({100 * hit / n:.0f}%)"
-    return "n/a (no probes)"
+def _recall(side: Side) -> str:
+    return _of(*side.completion_counts())
+
+
+def _questions(side: Side) -> str:
+    return _of(*side.question_counts())
 
 
 def _pct(value) -> str:
@@ -39,44 +41,33 @@ def _cell(text, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def model_card(info: dict) -> str:
-    """README.md for every download of a job: what was trained, on what, how well, and how
-    to load each file.
-
-    `info` keys: base_model (display name), base_model_id (what `from_pretrained` should load
-    on the user's machine), method, params (dict), documents (list of {name, sha256}),
-    scores ({"before": eval dict, "after": eval dict, optionally "previous": the version an
-    incremental job started from}), optional title, dataset (stats),
-    notes (list of str).
-    """
-    from app.services.verdict import verdict
-
+def _header(info: dict, scores: Scores, params: dict) -> list[str]:
+    """The title, what was trained, and the verdict when the job was scored."""
     method = info.get("method", "lora")
-    title = info.get("title") or "Fine-tuned model"
-    base = info.get("base_model", "unknown")
-    base_id = info.get("base_model_id") or base
-    params = info.get("params") or {}
-    scores = info.get("scores") or {}
-    before, after = scores.get("before") or {}, scores.get("after") or {}
     lines = [
-        f"# {title}",
+        f"# {info.get('title') or 'Fine-tuned model'}",
         "",
         "Made with DocTune on the user's own workstation: "
         + ("LoRA adapter training" if method == "lora" else "full fine-tuning")
-        + f" of **{base}** on the documents listed below.",
+        + f" of **{info.get('base_model', 'unknown')}** on the documents listed below.",
     ]
-    if after:
-        v = verdict(before, after, params)
+    if scores.after is not None and scores.after.measured:
+        v = verdict(scores.before, scores.after, params)
         lines += ["", f"**Verdict: {v.headline}**"]
         lines += [f"- {a}" for a in v.advice]
-    lines += [
+    return lines
+
+
+def _settings(info: dict, params: dict) -> list[str]:
+    """The settings table and the training data's figures."""
+    lines = [
         "",
         "## Settings",
         "",
         "| setting | value |",
         "| --- | --- |",
-        f"| base model | {base} |",
-        f"| method | {method} |",
+        f"| base model | {info.get('base_model', 'unknown')} |",
+        f"| method | {info.get('method', 'lora')} |",
     ]
     for key in sorted(params):
         if key != "method":
@@ -92,7 +83,11 @@ def model_card(info: dict) -> str:
             )
             + ".",
         ]
-    lines += [
+    return lines
+
+
+def _documents(documents: list[dict]) -> list[str]:
+    lines = [
         "",
         "## Source documents",
         "",
@@ -102,79 +97,106 @@ def model_card(info: dict) -> str:
         "| document | version | sha256 |",
         "| --- | --- | --- |",
     ]
-    for doc in info.get("documents") or []:
+    for doc in documents:
         lines.append(f"| {_cell(doc['name'])} | {doc.get('version', 1)} | `{doc['sha256']}` |")
-    lines += [
-        "",
-        "## Scores",
-        "",
-        "Same probes and held-out text before and after training, greedy decoding. Knowledge",
-        "recall: facts from the documents asked as questions in the chat format, worded",
-        "differently from any training example (and, second, as sentence completions); a",
-        "probe counts when the answer contains the fact. Perplexity: on document text kept",
-        "out of training (lower is better). Forgetting check: perplexity on a general-English",
-        "sample shipped with DocTune.",
-        "",
-    ]
-    # An incremental job also shows the version it started from, on the same probes.
-    previous = scores.get("previous") or None
+    return lines
+
+
+_SCORES_INTRO = [
+    "",
+    "## Scores",
+    "",
+    "Same probes and held-out text before and after training, greedy decoding. Knowledge",
+    "recall: facts from the documents asked as questions in the chat format, worded",
+    "differently from any training example (and, second, as sentence completions); a",
+    "probe counts when the answer contains the fact. Perplexity: on document text kept",
+    "out of training (lower is better). Forgetting check: perplexity on a general-English",
+    "sample shipped with DocTune.",
+    "",
+]
+
+
+def _score_table(scores: Scores) -> list[str]:
+    """One row per measure, a column per side (before, after, and for an incremental job
+    the version it started from, on the same probes)."""
+    before, after = scores.before, scores.after or Side()
+    previous = scores.previous if scores.previous and scores.previous.measured else None
     sides = [before, after] + ([previous] if previous else [])
     head = "| score | before | after |" + (" previous version |" if previous else "")
-    lines += [head, "| --- | --- | --- |" + (" --- |" if previous else "")]
+    lines = [head, "| --- | --- | --- |" + (" --- |" if previous else "")]
 
-    def row(label: str, fmt) -> str:
+    def row(label: str, fmt: Callable[[Side], str]) -> str:
         return f"| {label} | " + " | ".join(fmt(side) for side in sides) + " |"
 
-    if (after.get("questions") or {}).get("n"):
+    if headline_kind(after) == "questions":
         lines.append(row("knowledge recall (questions)", _questions))
     lines += [
         row("knowledge recall (sentence completions)", _recall),
-        row("held-out perplexity", lambda side: _fmt(side.get("perplexity"))),
+        row("held-out perplexity", lambda side: _fmt(side.perplexity)),
     ]
-    if (after.get("general") or {}).get("perplexity") is not None:
+    if after.general.perplexity is not None:
         lines.append(
             row(
                 "forgetting check: general-text perplexity",
-                lambda side: _fmt((side.get("general") or {}).get("perplexity")),
+                lambda side: _fmt(side.general.perplexity),
             )
         )
-    qa_after = after.get("qa") or {}
-    if (before.get("qa") or {}).get("n") or qa_after.get("n"):
-        n = qa_after.get("n") or (before.get("qa") or {}).get("n")
+    if before.qa.n or after.qa.n:
+        n = after.qa.n or before.qa.n
         lines += [
             row(
                 f"held-out questions: answer contains the reference ({n})",
-                lambda side: _pct((side.get("qa") or {}).get("exact")),
+                lambda side: _pct(side.qa.exact),
             ),
-            row(
-                f"held-out questions: token F1 ({n})",
-                lambda side: _pct((side.get("qa") or {}).get("f1")),
-            ),
+            row(f"held-out questions: token F1 ({n})", lambda side: _pct(side.qa.f1)),
         ]
-    items = (after.get("questions") or {}).get("items") or []
-    if items:
-        base_by = {
-            (i.get("question"), i.get("answer")): i
-            for i in (before.get("questions") or {}).get("items") or []
-        }
-        ordered = sorted(items, key=lambda i: (not i.get("hit"), i.get("question") or ""))
-        lines += [
-            "",
-            "Side by side (five of the questions):",
-            "",
-            "| question | expected | base model | tuned model | source sentence |",
-            "| --- | --- | --- | --- | --- |",
-        ]
-        for item in ordered[:5]:
-            base_item = base_by.get((item.get("question"), item.get("answer")), {})
-            lines.append(
-                f"| {_cell(item.get('question'))} | {_cell(item.get('answer'), 60)} "
-                f"| {_cell(base_item.get('output'), 80)} | {_cell(item.get('output'), 80)} "
-                f"| {_cell(item.get('sentence'))} ({_cell(item.get('source'), 40)}) |"
-            )
+    return lines
+
+
+def _side_by_side(before: Side, after: Side) -> list[str]:
+    """Five of the questions, answered by the base model and the tuned one."""
+    items = after.questions.items
+    if not items:
+        return []
+    base_by = {(i.question, i.answer): i for i in before.questions.items}
+    ordered = sorted(items, key=lambda i: (not i.hit, i.question))
+    lines = [
+        "",
+        "Side by side (five of the questions):",
+        "",
+        "| question | expected | base model | tuned model | source sentence |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for item in ordered[:5]:
+        base_item = base_by.get((item.question, item.answer))
+        base_output = base_item.output if base_item else ""
+        lines.append(
+            f"| {_cell(item.question)} | {_cell(item.answer, 60)} "
+            f"| {_cell(base_output, 80)} | {_cell(item.output, 80)} "
+            f"| {_cell(item.sentence)} ({_cell(item.source, 40)}) |"
+        )
+    return lines
+
+
+def model_card(info: dict) -> str:
+    """README.md for every download of a job: what was trained, on what, how well, and how
+    to load each file.
+
+    `info` keys: base_model (display name), base_model_id (what `from_pretrained` should load
+    on the user's machine), method, params (dict), documents (list of {name, sha256}),
+    scores (app.contract.scores: {"before", "after", optionally "previous": the version an
+    incremental job started from}), optional title, dataset (stats), notes (list of str).
+    """
+    params = info.get("params") or {}
+    scores = parse_scores(info.get("scores"))
+    lines = _header(info, scores, params) + _settings(info, params)
+    lines += _documents(info.get("documents") or [])
+    lines += _SCORES_INTRO + _score_table(scores)
+    lines += _side_by_side(scores.before, scores.after or Side())
     for note in info.get("notes") or []:
         lines += ["", note]
-    lines += _usage(method, base_id)
+    base_id = info.get("base_model_id") or info.get("base_model", "unknown")
+    lines += _usage(info.get("method", "lora"), base_id)
     return "\n".join(lines) + "\n"
 
 

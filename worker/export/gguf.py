@@ -25,6 +25,7 @@ import gguf
 import numpy as np
 import torch
 
+from worker.errors import UserFacingError
 from worker.export.tensor_source import TensorSpec, as_source, checked_tensors
 
 FTYPES = {
@@ -117,7 +118,7 @@ def _llama_config(config) -> dict:
     theta = theta or getattr(config, "rope_theta", None) or 10000.0
     scaling = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
     if scaling not in (None, "default"):
-        raise ValueError(
+        raise UserFacingError(
             f"GGUF export supports plain RoPE only; this model uses {scaling!r} scaling."
         )
     return {
@@ -206,7 +207,7 @@ def write_gguf(
     source = as_source(model_or_source)
     config = source.config
     if config.model_type not in ("llama",):
-        raise ValueError(
+        raise UserFacingError(
             f"GGUF export supports Llama-architecture models (like SmolLM2); this one is "
             f"{config.model_type!r}. Use the merged model download instead."
         )

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from worker.errors import UserFacingError
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -157,7 +159,9 @@ class StreamedSource:
                 if not isinstance(mod, LoraLayer):
                     continue
                 if any(mod.lora_variant.values()) or any(mod.lora_bias.values()):
-                    raise ValueError("Only plain LoRA adapters can be merged block by block.")
+                    raise UserFacingError(
+                        "Only plain LoRA adapters can be merged block by block."
+                    )
                 key = f"{prefix}{mod_name}.base_layer.weight"
                 for adapter in mod.active_adapters:
                     if adapter in mod.lora_A:

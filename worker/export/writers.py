@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from app.contract.artifacts import KINDS  # every download a job can offer, in the order made
+from worker.errors import UserFacingError, ran_out_of
 from worker.export.tensor_source import (
     ModelSource,
     TensorSource,
@@ -78,8 +80,8 @@ def export_adapter(
     from peft import PeftModel
 
     if not isinstance(model, PeftModel):
-        # ValueError: the model is a fine value, just one that has no adapter.
-        raise ValueError(  # noqa: TRY004
+        # A ValueError: the model is a fine value, just one that has no adapter.
+        raise UserFacingError(
             "This model was fully fine-tuned, so there is no adapter to export; "
             "export the merged model instead."
         )
@@ -259,10 +261,6 @@ def export_gguf(
         return _write_zip(folder, out_zip)
 
 
-# Every download a job can offer, in the order they are made.
-KINDS = ("adapter", "merged", "gguf-f16", "gguf-q8_0")
-
-
 def export_all(
     model,
     tokenizer,
@@ -323,9 +321,12 @@ def _export_error(kind: str, exc: Exception) -> str:
     label = {"adapter": "The LoRA adapter", "merged": "The merged model"}.get(
         kind, f"The GGUF file ({kind.removeprefix('gguf-')})"
     )
-    if isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
+    if ran_out_of(exc) == "disk":
         return f"{label} could not be saved: the disk is full."
-    if isinstance(exc, MemoryError):
+    if ran_out_of(exc) == "memory":
         return f"{label} could not be made: the computer ran out of memory."
-    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    return f"{label} could not be made: {detail}"
+    if isinstance(exc, UserFacingError):
+        return f"{label} could not be made: {exc}"
+    # Anything else is ours, not the user's: the details are in the worker's log.
+    return (f"{label} could not be made because of an internal error; the other downloads "
+            "are not affected.")

@@ -16,10 +16,12 @@ from pathlib import Path
 
 from sqlalchemy import update
 
+from app.contract.results import JobResults
 from app.db import session_scope, utcnow
 from app.models import Job, JobState
 from app.settings import settings
-from offload import OffloadBudgetError, OffloadDiskFullError
+from offload import OffloadBudgetError
+from worker.errors import UserFacingError, ran_out_of
 from worker.ingest import load_source_docs
 from worker.jobs.inputs import plan_inputs
 from worker.jobs.pipeline import Cancelled, Hooks, run_pipeline
@@ -29,10 +31,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_EVERY_S = 2.0
 # A job whose heartbeat is older than this belongs to a dead worker (see reconcile.py).
 STALE_AFTER = timedelta(minutes=10)
-
-
-class UserFacingError(Exception):
-    """An error whose message is written for the user."""
 
 
 def job_workdir(job_id: int) -> Path:
@@ -153,9 +151,10 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               start_model=plan.start_model,
                               stream_base=settings.stream_base_model,
                               device=settings.device)
+        record = JobResults.from_pipeline(result)  # each part in its app.contract shape
     except Cancelled:
         outcome = (JobState.cancelled, "Cancelled", None)
-    except (UserFacingError, ValueError) as exc:
+    except UserFacingError as exc:  # written for the user (worker.errors)
         outcome = (JobState.failed, "Failed", str(exc))
     except Exception as exc:  # the user gets words, the log gets the trace
         log.exception("job %s failed", job_id)
@@ -173,9 +172,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
             return None
         if outcome[0] == JobState.done:
             job.params = result["params"]
-            job.scores = result["scores"] | {"dataset": result.get("dataset", {}),
-                                             "metrics": result.get("metrics", {}),
-                                             "export_errors": result.get("export_errors", {})}
+            job.scores, job.dataset = record.scores, record.dataset
+            job.metrics, job.export_errors = record.metrics, record.export_errors
             job.artifacts = result["artifacts"]
             job.step = job.total_steps
             job.project.current_job_id = job.id  # a new version is the one in use
@@ -185,19 +183,26 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
     return outcome[0]
 
 
+# What the user reads when a job stops for a reason not written for them; the details are in
+# the worker's log and the job's error.log.
+INTERNAL_ERROR = (
+    "Training stopped because something went wrong inside DocTune (the details are in the "
+    "worker's log). Your documents and project are unaffected; you can train again."
+)
+
+
 def _plain_error(exc: Exception) -> str:
-    if isinstance(exc, OffloadDiskFullError):
-        return ("The disk is full: training pages part of the model to the DocTune data "
-                "folder. Free some space there and train again.")
-    if isinstance(exc, OffloadBudgetError):
+    """The job's error in words for an exception not raised as UserFacingError: what ran
+    out, or the generic INTERNAL_ERROR (never the exception's own text)."""
+    if isinstance(exc, OffloadBudgetError):  # the offload engine's own words, about memory
         return ("Training needs more memory than DocTune may use on this machine "
                 f"({str(exc).splitlines()[0][:200]}). Try a shorter maximum sequence length, "
                 "LoRA instead of full fine-tuning, or a larger DOCTUNE_OFFLOAD_BUDGET_MB.")
-    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+    exhausted = ran_out_of(exc)
+    if exhausted == "disk":
+        return ("The disk is full: training pages part of the model to the DocTune data "
+                "folder. Free some space there and train again.")
+    if exhausted == "memory":
         return ("Training ran out of memory. Try a shorter maximum sequence length or LoRA "
                 "instead of full fine-tuning.")
-    if isinstance(exc, OSError) and getattr(exc, "errno", None) == 28:
-        return "The disk is full. Free some space in the DocTune data folder and train again."
-    detail = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    return (f"Training stopped because of an internal error ({detail}). Your documents and "
-            "project are unaffected; you can train again.")
+    return INTERNAL_ERROR

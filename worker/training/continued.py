@@ -1,10 +1,11 @@
 """Training that continues a previous version instead of starting from the base model.
 
 A LoRA job loads the previous version's adapter weights into its fresh adapter before the
-training engine takes the model over (a resumed job still resumes from its own checkpoint), so
-every version is still an adapter on the base model and downloads and loads the same way. A
-full fine-tune loads the previous full version's merged weights in place of the base model's
-(load_model_weights). Which version a job continues is decided in worker.jobs.inputs.
+training engine takes the model over (`adapter_start`, the recipe's start_weights; a resumed
+job still resumes from its own checkpoint), so every version is still an adapter on the base
+model and downloads and loads the same way. A full fine-tune loads the previous full
+version's merged weights in place of the base model's (load_model_weights). Which version a
+job continues is decided in worker.jobs.inputs.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ import json
 import logging
 import shutil
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from worker.training.recipe import FineTuneRecipe
+from worker.errors import UserFacingError
 
 log = logging.getLogger(__name__)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -36,7 +38,7 @@ def unpack_adapter(zip_path: Path, dest: Path) -> Path:
         by_base = {Path(info.filename).name: info for info in zf.infolist() if not info.is_dir()}
         for name in ADAPTER_FILES:
             if name not in by_base:
-                raise ValueError(f"The previous version's adapter has no {name}.")
+                raise UserFacingError(f"The previous version's adapter has no {name}.")
             (dest / name).write_bytes(zf.read(by_base[name]))
     return dest
 
@@ -55,10 +57,10 @@ def unpack_model(zip_path: Path, dest: Path) -> Path:
             if info.is_dir() or not (name == MODEL_CONFIG or name.endswith(WEIGHTS_SUFFIX)):
                 continue
             if name in wanted:
-                raise ValueError(f"The previous version's model holds two files named {name}.")
+                raise UserFacingError(f"The previous version's model holds two files named {name}.")
             wanted[name] = info
         if not any(name.endswith(WEIGHTS_SUFFIX) for name in wanted):
-            raise ValueError("The previous version's model has no weights (*.safetensors).")
+            raise UserFacingError("The previous version's model has no weights (*.safetensors).")
         for name, info in wanted.items():
             with zf.open(info) as src, open(dest / name, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 20)
@@ -72,7 +74,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> int:
     twin); otherwise ValueError in plain words, and `model` is left as it was."""
     files = sorted(Path(folder).glob(f"*{WEIGHTS_SUFFIX}"))
     if not files:
-        raise ValueError("The previous version's model has no weights (*.safetensors).")
+        raise UserFacingError("The previous version's model has no weights (*.safetensors).")
     state: dict[str, torch.Tensor] = {}
     for path in files:
         state.update(load_file(str(path)))
@@ -83,7 +85,7 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> int:
     missing = sorted(k for k in own if k not in state and own[k].data_ptr() not in loaded)
     if unexpected or reshaped or missing:
         example = (reshaped or missing or unexpected)[0]
-        raise ValueError(
+        raise UserFacingError(
             "The previous version's model does not fit the base model "
             f"({len(missing)} weights missing, {len(unexpected)} unexpected, {len(reshaped)} "
             f"of another shape, e.g. {example}). Was the base model changed? Start from the "
@@ -110,25 +112,21 @@ def load_adapter_weights(model: torch.nn.Module, folder: Path) -> int:
     result = set_peft_model_state_dict(model, state)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
-        raise ValueError(
+        raise UserFacingError(
             "The previous version's adapter does not fit this model "
             f"({len(missing)} missing, {len(result.unexpected_keys)} unexpected tensors)."
         )
     return len(state)
 
 
-class ContinuedRecipe(FineTuneRecipe):
-    """FineTuneRecipe whose LoRA adapter starts from a previous version's weights."""
+def adapter_start(folder: Path) -> Callable[[torch.nn.Module], int]:
+    """A recipe's `start_weights` (worker.training.recipe.StartWeights) that start its fresh
+    LoRA adapter from the previous version's adapter in `folder`."""
+    folder = Path(folder)
 
-    def __init__(self, start_adapter: Path, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.start_adapter = Path(start_adapter)
-        self.loaded_tensors = 0
+    def load(model: torch.nn.Module) -> int:
+        n = load_adapter_weights(model, folder)
+        log.info("Starting from the previous version's adapter (%d tensors).", n)
+        return n
 
-    def _build_engine(self):
-        # setup() has wrapped the model in its adapter and builds the engine next: the start
-        # weights go in now, before the engine takes the parameters over. A checkpoint, if
-        # any, is loaded after this and wins (the job resumes where it stopped).
-        self.loaded_tensors = load_adapter_weights(self.model, self.start_adapter)
-        log.info("Starting from the previous version's adapter (%d tensors).", self.loaded_tensors)
-        return super()._build_engine()
+    return load

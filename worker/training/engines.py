@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-IGNORE_INDEX = -100  # label value that carries no loss (prompt tokens, padding)
+from worker.dataset.corpus import IGNORE_INDEX
 
 
 def lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -25,11 +25,14 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from app.contract.machine_profile import FORMAT as PROFILE_FORMAT
+from app.contract.machine_profile import checked_profile
+from app.contract.machine_profile import is_current as profile_is_current
 from app.settings import settings
+from worker.files import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-PROFILE_FORMAT = 1
 DISK_MIB = 256  # enough to get past the disk's write cache; about a second on an SSD
 # Real training runs at a fraction of the matmul rate (attention, norms, softmax over the
 # vocabulary, the optimizer): SmolLM2-135M LoRA steps at 4 x 256 tokens through the engine
@@ -138,7 +141,7 @@ def build_profile(
             lora_params=lora_params(config, ref.lora_rank) if method == "lora" else 0,
         )
         methods[method] = {k: (v if v != float("inf") else None) for k, v in p.to_dict().items()}
-    return {
+    return checked_profile({  # the shape the web app reads (app.contract.machine_profile)
         "format": PROFILE_FORMAT,
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "base_model": base_model,
@@ -153,17 +156,7 @@ def build_profile(
         "reference": {"batch_size": ref.batch_size, "seq_len": ref.max_seq_len},
         "methods": methods,
         "base": streamed_base(model_dir, read, stream),
-    }
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    })
 
 
 def current_budget_bytes() -> int:
@@ -182,7 +175,7 @@ def is_current(path: Path | None = None) -> bool:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return data.get("format") == PROFILE_FORMAT and data.get("base_model") == settings.base_model
+    return profile_is_current(data, settings.base_model)
 
 
 def measure_and_write(path: Path | None = None, disk_mib: int = DISK_MIB) -> dict | None:

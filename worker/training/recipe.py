@@ -15,7 +15,6 @@ checkpoint and resumed ends with the same weights, bit for bit, as one never int
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -29,8 +28,11 @@ from pathlib import Path
 
 import torch
 
-from app.training_defaults import LIMITS, METHODS
-from worker.training.engines import IGNORE_INDEX, InMemoryEngine, OffloadTrainEngine
+from app.contract.training import LIMITS, METHODS
+from worker.errors import UserFacingError
+from worker.files import fsync_dir, fsync_file
+from worker.training.batches import epoch_order, examples_digest, pad_batch
+from worker.training.engines import InMemoryEngine, OffloadTrainEngine
 from worker.training.resources import auto_budget_bytes, configure_threads
 
 log = logging.getLogger(__name__)
@@ -118,26 +120,25 @@ class TrainConfig:
 
     def validate(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(f"Unknown training method {self.method!r}; use one of {METHODS}.")
-        for name, (low, high) in LIMITS.items():
+            raise UserFacingError(f"Unknown training method {self.method!r}; use one of {METHODS}.")
+        for name, (lo, hi) in LIMITS.items():
             value = getattr(self, name)
-            if not low <= value <= high:
-                raise ValueError(f"{name} = {value} is outside the allowed range {low}..{high}.")
+            if not lo <= value <= hi:
+                raise UserFacingError(f"{name} = {value} is outside the allowed range {lo}..{hi}.")
         for name in ("batch_size", "grad_accum", "checkpoint_every"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1.")
+                raise UserFacingError(f"{name} must be at least 1.")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError("max_steps must be at least 1.")
+            raise UserFacingError("max_steps must be at least 1.")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError("warmup_ratio and lora_dropout must be in [0, 1).")
+            raise UserFacingError("warmup_ratio and lora_dropout must be in [0, 1).")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"Unknown training settings: {sorted(unknown)}")
         return cls(**data)
@@ -150,41 +151,6 @@ class TrainConfig:
         return min(total, self.max_steps) if self.max_steps else total
 
 
-def pad_batch(examples: list[dict], pad_token_id: int, max_len: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example: pad tokens get attention 0 and label IGNORE_INDEX."""
-    rows = [(ex["input_ids"][:max_len], ex["labels"][:max_len]) for ex in examples]
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (ids, labs) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        labels[i, : len(labs)] = torch.tensor(labs, dtype=torch.long)
-        attention[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
-
-
-def examples_digest(examples: list[dict]) -> str:
-    """Fingerprint of the training data, so a checkpoint is only resumed on the same data."""
-    h = hashlib.sha256()
-    for ex in examples:
-        h.update(json.dumps([ex["input_ids"], ex["labels"]], separators=(",", ":")).encode())
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 @dataclass
 class _Progress:
     """Counters that survive a resume (stored in the checkpoint's meta.json)."""
@@ -195,10 +161,18 @@ class _Progress:
     losses: list[float] = field(default_factory=list)  # one per optimizer step
 
 
+# Weights a run starts from instead of the method's fresh ones (a previous version's
+# adapter, worker.training.continued.adapter_start): called by setup() with the model wrapped
+# for its method, before the engine takes its parameters over; loads them into it and
+# returns how many tensors it loaded. A checkpoint, loaded after it, still wins.
+StartWeights = Callable[[torch.nn.Module], int]
+
+
 class FineTuneRecipe:
     """LoRA (peft) or full fine-tuning of `model` on `train_examples`, checkpointed in `workdir`.
 
-    After `setup()`, `self.model` is the model being trained (a PeftModel for LoRA).
+    After `setup()`, `self.model` is the model being trained (a PeftModel for LoRA), and
+    `loaded_tensors` says how many tensors `start_weights` loaded into it (0: none).
     """
 
     def __init__(
@@ -210,6 +184,7 @@ class FineTuneRecipe:
         hooks: Hooks | None = None,
         pad_token_id: int = 0,
         engine: EngineOptions | None = None,
+        start_weights: StartWeights | None = None,
     ) -> None:
         if not train_examples:
             raise ValueError("No training examples.")
@@ -221,6 +196,8 @@ class FineTuneRecipe:
         self.pad_token_id = pad_token_id
         self.engine_options = engine or EngineOptions()
         self.engine: InMemoryEngine | OffloadTrainEngine | None = None
+        self.start_weights = start_weights
+        self.loaded_tensors = 0
         self.progress = _Progress()
         self.steps_per_epoch = config.steps_per_epoch(len(train_examples))
         self.total_steps = config.total_steps(len(train_examples))
@@ -247,7 +224,8 @@ class FineTuneRecipe:
 
     # -- setup -------------------------------------------------------------------------------
     def setup(self) -> None:
-        """Wrap the model for the method, build the engine, resume from a checkpoint if any."""
+        """Wrap the model for the method, load its start weights if any, build the engine,
+        resume from a checkpoint if any."""
         configure_threads()
         cfg = self.config
         torch.manual_seed(cfg.seed)  # LoRA's A matrices are drawn here
@@ -267,6 +245,8 @@ class FineTuneRecipe:
             for p in self.model.parameters():
                 p.requires_grad_(True)
         self.model.train()
+        if self.start_weights is not None:
+            self.loaded_tensors = self.start_weights(self.model)
         self.engine = self._build_engine()
         try:
             self._resume()
@@ -379,31 +359,13 @@ class FineTuneRecipe:
     # -- batches -----------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> list[int]:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
-            gen = torch.Generator().manual_seed(self.config.seed + epoch)
-            order = torch.randperm(len(self.examples), generator=gen).tolist()
-            if self.config.group_by_length:
-                order = self._group_by_length(order, gen)
+            cfg = self.config
+            lengths = [min(len(ex["input_ids"]), cfg.max_seq_len) for ex in self.examples]
+            order = epoch_order(
+                lengths, cfg.seed, epoch, cfg.batch_size * cfg.grad_accum, cfg.group_by_length
+            )
             self._perm_cache = (epoch, order)
         return self._perm_cache[1]
-
-    def _group_by_length(self, order: list[int], gen: torch.Generator) -> list[int]:
-        """`order` with examples of similar length in the same batch: each window of 16
-        batches is sorted by length, then the full batches are shuffled (the short last
-        batch stays last, where batch_for_step expects it). Deterministic from the seed."""
-        per_step = self.config.batch_size * self.config.grad_accum
-        cap = self.config.max_seq_len
-
-        def length(i: int) -> int:
-            return min(len(self.examples[i]["input_ids"]), cap)
-
-        window = 16 * per_step
-        ordered: list[int] = []
-        for start in range(0, len(order), window):
-            ordered += sorted(order[start : start + window], key=length)  # stable
-        n_full = len(ordered) // per_step
-        batches = [ordered[b * per_step : (b + 1) * per_step] for b in range(n_full)]
-        shuffled = [batches[b] for b in torch.randperm(n_full, generator=gen).tolist()]
-        return [i for batch in shuffled for i in batch] + ordered[n_full * per_step :]
 
     def batch_for_step(self, step: int) -> dict[str, torch.Tensor]:
         """The batch of optimizer step `step` (0-based): a pure function of seed and step, so
@@ -510,13 +472,13 @@ class FineTuneRecipe:
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         (tmp / "meta.json").write_text(json.dumps(self._meta()) + "\n")
         for path in tmp.iterdir():
-            _fsync_file(path)
-        _fsync_dir(tmp)
+            fsync_file(path)
+        fsync_dir(tmp)
         if self.checkpoint_dir.exists():
             shutil.rmtree(self._old_dir, ignore_errors=True)
             os.rename(self.checkpoint_dir, self._old_dir)
         os.rename(tmp, self.checkpoint_dir)
-        _fsync_dir(self.workdir)
+        fsync_dir(self.workdir)
         shutil.rmtree(self._old_dir, ignore_errors=True)
         self._last_saved_step = self.progress.step
         return self.checkpoint_dir

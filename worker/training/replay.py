@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.dataset.build import IGNORE_INDEX, encode_qa, qa_prompt_ids
+from worker.dataset.build import encode_qa, qa_prompt_ids
+from worker.dataset.corpus import answer_example
 
 REPLAY_PROMPTS = Path(__file__).parent / "data" / "replay_prompts.txt"
 
@@ -54,5 +55,5 @@ def replay_examples(
         ids, n_prompt = encode_qa(tokenizer, prompt, answer)
         ids = ids[:max_seq_len]
         if n_prompt < len(ids):
-            out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * n_prompt + ids[n_prompt:]})
+            out.append(answer_example(ids, n_prompt))
     return out

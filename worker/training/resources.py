@@ -5,8 +5,11 @@ asked for and present), and the offload engine's automatic memory budget.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
+
+from worker.errors import UserFacingError
 
 
 def configure_threads() -> int:
@@ -33,10 +36,11 @@ def configure_threads() -> int:
 BUDGET_SHARE = 0.5
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (what can be used without swapping), else None."""
+def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable from the kernel's `meminfo` (what can be used without swapping), else
+    None (no /proc/meminfo: another OS)."""
     try:
-        with open("/proc/meminfo") as fh:
+        with open(meminfo) as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
@@ -52,11 +56,11 @@ def job_device(setting: str = "cpu") -> torch.device:
     """Where a job computes: "cpu", "cuda" (refused in words without a usable GPU) or "auto"
     (the GPU when torch sees one)."""
     if setting not in DEVICES:
-        raise ValueError(f"Unknown device {setting!r}; use one of {DEVICES}.")
+        raise UserFacingError(f"Unknown device {setting!r}; use one of {DEVICES}.")
     if setting == "auto":
         setting = "cuda" if torch.cuda.is_available() else "cpu"
     if setting == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise UserFacingError(
             "DOCTUNE_DEVICE is cuda, but PyTorch sees no CUDA GPU on this machine (no driver, "
             "or a CPU-only build of torch). Set DOCTUNE_DEVICE=cpu, or auto."
         )

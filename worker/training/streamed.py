@@ -30,7 +30,9 @@ from pathlib import Path
 
 import torch
 
-from worker.training.base_model import available_memory_bytes, fp32_load_bytes
+from worker.errors import UserFacingError
+from worker.training.base_model import fp32_load_bytes
+from worker.training.resources import available_memory_bytes
 
 # A model whose float32 weights exceed this share of the free memory is streamed.
 STREAM_SHARE = 0.5
@@ -57,7 +59,7 @@ def should_stream(
     "never" or "auto" (its float32 weights above STREAM_SHARE of the free memory, or of the
     free GPU memory when the job computes on `device` cuda)."""
     if setting not in STREAM_SETTINGS:
-        raise ValueError(f"Unknown stream setting {setting!r}; use one of {STREAM_SETTINGS}.")
+        raise UserFacingError(f"Unknown stream setting {setting!r}; use one of {STREAM_SETTINGS}.")
     if setting != "auto":
         return setting == "always"
     need = fp32_load_bytes(Path(model_dir))
@@ -121,7 +123,7 @@ class WeightsReader:
         self.model_dir = Path(model_dir)
         self.files = sorted(self.model_dir.glob("*.safetensors"))
         if not self.files:
-            raise ValueError(f"The model in {self.model_dir} has no *.safetensors weights.")
+            raise UserFacingError(f"The model in {self.model_dir} has no *.safetensors weights.")
         self._index: dict[str, _Stored] = {}
         fds: list[int] = []
         self._closer = weakref.finalize(self, _close_all, fds)
@@ -133,7 +135,7 @@ class WeightsReader:
                         raise ValueError("header longer than the file")
                     header = json.loads(fh.read(n))
             except (OSError, struct.error, ValueError) as exc:
-                raise ValueError(f"{path.name} is not a readable safetensors file.") from exc
+                raise UserFacingError(f"{path.name} is not a readable safetensors file.") from exc
             fds.append(os.open(path, os.O_RDONLY))
             for key, info in header.items():
                 if key == "__metadata__":
@@ -154,12 +156,14 @@ class WeightsReader:
         key = name if name in self._index else _plain_name(name)
         entry = self._index.get(key)
         if entry is None:
-            raise ValueError(
+            raise UserFacingError(
                 f"The model's files in {self.model_dir} have no tensor {key!r}: the model "
                 "folder is incomplete or of another architecture than its config.json says."
             )
         if entry.dtype is None:
-            raise ValueError(f"Tensor {key!r} is stored in a number format DocTune cannot read.")
+            raise UserFacingError(
+                f"Tensor {key!r} is stored in a number format DocTune cannot read."
+            )
         return key, entry
 
     @staticmethod
@@ -170,7 +174,9 @@ class WeightsReader:
         while done < entry.nbytes:
             n = os.preadv(entry.fd, [view[done:]], entry.offset + done)
             if n <= 0:
-                raise ValueError("A model file ended early: it is damaged or still being copied.")
+                raise UserFacingError(
+                    "A model file ended early: it is damaged or still being copied."
+                )
             done += n
 
     def get(self, name: str) -> torch.Tensor:
@@ -185,7 +191,7 @@ class WeightsReader:
         read straight into it when the file holds that dtype, else converted."""
         key, entry = self._stored(name)
         if entry.shape != tuple(out.shape):
-            raise ValueError(
+            raise UserFacingError(
                 f"Tensor {key!r} has shape {entry.shape} in the model's files, but the "
                 f"model's config makes it {tuple(out.shape)}."
             )
@@ -232,7 +238,7 @@ def load_resident_weights(model: torch.nn.Module, reader: WeightsReader) -> None
             if id(p) not in in_blocks:
                 value = reader.get(name)
                 if tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(
+                    raise UserFacingError(
                         "The previous version's model does not fit the base model "
                         f"({_plain_name(name)} has another shape). Start from the base model "
                         "instead."

@@ -31,6 +31,10 @@ def _check_trained(proc, out, tiny_base_model):
     before, after = result["scores"]["before"], result["scores"]["after"]
     assert before["n_probes"] == after["n_probes"] > 0
     assert isinstance(after["recall"], float) and isinstance(before["recall"], float)
+    # Scores only in "scores"; the job's other results under their own keys (Job columns).
+    assert set(result["scores"]) == {"before", "after"}
+    assert result["export_errors"] == {} and result["metrics"]["steps"] > 0
+    assert result["dataset"]["n_train_examples"] > 0 and result["dataset"]["notes"]
     statuses = {d["name"]: d["status"] for d in result["documents"]}
     assert statuses["broken.pdf"] == "failed" and statuses["notes.exe"] == "refused"
     assert sum(s == "extracted" for s in statuses.values()) >= 7

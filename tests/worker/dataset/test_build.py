@@ -6,8 +6,8 @@ import copy
 
 import pytest
 
-from worker.dataset.build import IGNORE_INDEX, build_dataset, encode_qa, qa_prompt_ids
-from worker.dataset.corpus import SourceDoc
+from worker.dataset.build import build_dataset, encode_qa, qa_prompt_ids
+from worker.dataset.corpus import IGNORE_INDEX, SourceDoc
 
 
 def _paragraphs(tag: str, n: int) -> list[str]:

@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
+from app.contract.tasks import INGEST_TASK, TRAIN_TASK
 from app.db import session_scope
 from app.models import Job, JobState, Project
-from app.queue import INGEST_TASK, INLINE, TRAIN_TASK
+from app.queue import INLINE
 from app.services.documents import register_uploads
 from app.services.jobs import create_job
 from app.services.projects import create_project
@@ -29,7 +30,7 @@ from tests.fixtures import docs as fx
 from worker.ingest import ingest_document
 from worker.jobs.inputs import plan_inputs, replay_plan
 from worker.jobs.run import job_workdir, run_job
-from worker.training.continued import ContinuedRecipe, load_model_weights, unpack_model
+from worker.training.continued import adapter_start, load_model_weights, unpack_model
 from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
 
 FACTS = [
@@ -104,13 +105,13 @@ def test_a_continued_recipe_starts_from_the_previous_adapter(
         engine=options("fresh"),
     )
     fresh.setup()
-    started = ContinuedRecipe(
-        tmp_path / "adapter",
+    started = FineTuneRecipe(
         copy.deepcopy(tiny_model),
         _examples(smol_tokenizer),
         config,
         tmp_path / "v2",
         engine=options("v2"),
+        start_weights=adapter_start(tmp_path / "adapter"),
     )
     started.setup()
     try:

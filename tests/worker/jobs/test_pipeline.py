@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.training_defaults import default_params
+from app.contract.training import default_params
 from tests.worker.conftest_training import FACTS, tiny_model_dir
 from worker.dataset.corpus import SourceDoc
 from worker.jobs.pipeline import Cancelled, Hooks, run_pipeline
@@ -185,7 +185,7 @@ def test_bad_settings_are_refused(tiny_dir, tmp_path):
 
 
 def test_documents_without_facts_still_get_a_score_card_that_says_why(tiny_dir, tmp_path):
-    from app.services.verdict import verdict
+    from app.contract.verdict import verdict
 
     plain = [
         SourceDoc(

@@ -17,16 +17,16 @@ from worker.scoring.evaluate import (
     general_text,
     perplexity,
     probe_set_id,
-    squad_normalise,
     token_f1,
 )
 
 # --- answer metrics -------------------------------------------------------------------
 
 
-def test_squad_normalise():
-    assert squad_normalise("The  Eiffel Tower!") == "eiffel tower"
-    assert squad_normalise("An apple, a day.") == "apple day"
+def test_token_f1_normalises_answers_like_squad():
+    """Lower case, no punctuation, no articles, single spaces: SQuAD's normalisation."""
+    assert token_f1("The  Eiffel Tower!", "eiffel tower") == 1.0
+    assert token_f1("An apple, a day.", "apple day") == 1.0
 
 
 @pytest.mark.parametrize(

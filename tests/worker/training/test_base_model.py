@@ -1,5 +1,6 @@
-"""Base models: the embedded GGUF, the build-once folder logic, resolving a setting, tiny
-models. The real conversion runs in the slow test of test_recipe.py."""
+"""Base models: the embedded GGUF, the build-once folder logic, resolving a setting, the
+load size. The real conversion runs in the slow test of test_recipe.py; the tests' tiny
+models are tested in tests/worker/test_models.py."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ from pathlib import Path
 import pytest
 
 from tests.worker.conftest_training import tiny_model_dir
-from worker.training import base_model
+from worker.training import base_model, resources
 from worker.training.base_model import (
     EMBEDDED_NAME,
     MARKER,
     build_once,
-    build_tiny_model,
     embedded_gguf_path,
     resolve_base_model,
 )
@@ -150,54 +150,6 @@ def test_resolve_base_model(tmp_path):
     )
 
 
-def test_tiny_model_is_small_seeded_and_complete(tmp_path_factory, smol_tokenizer, tmp_path):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = tiny_model_dir(tmp_path_factory, smol_tokenizer)
-    for name in (
-        "config.json",
-        "model.safetensors",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ):
-        assert (folder / name).is_file(), name
-    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
-    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # loads in 4.x too
-
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    cfg = model.config
-    assert (
-        cfg.hidden_size,
-        cfg.num_hidden_layers,
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.intermediate_size,
-    ) == (64, 2, 4, 2, 128)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    assert tokenizer.chat_template and len(tokenizer) == cfg.vocab_size
-
-    same = build_tiny_model(tmp_path / "same", tokenizer_dir=folder, seed=0)
-    other = build_tiny_model(tmp_path / "other", tokenizer_dir=folder, seed=1)
-    a, b, c = (AutoModelForCausalLM.from_pretrained(f).state_dict() for f in (folder, same, other))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(
-        a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"]
-    )
-
-    ids = tokenizer("Hello", return_tensors="pt").input_ids
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=4,
-        min_new_tokens=4,
-        do_sample=False,
-    )
-    assert out.shape[1] == ids.shape[1] + 4
-
-
 def test_load_size_counts_the_files_tensors_once(tmp_path_factory, smol_tokenizer, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
@@ -209,6 +161,6 @@ def test_load_size_counts_the_files_tensors_once(tmp_path_factory, smol_tokenize
     need = base_model.fp32_load_bytes(folder)
     assert need == 4 * sum(stored.values())
     # No /proc/meminfo (another OS): nothing known.
-    assert base_model.available_memory_bytes(tmp_path / "missing") is None
+    assert resources.available_memory_bytes(tmp_path / "missing") is None
     # This machine: the real file, and the tiny model fits.
-    assert base_model.available_memory_bytes() > need
+    assert resources.available_memory_bytes() > need

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from offload import activation_bytes
 from tests.worker.conftest_training import text_examples, tiny_model_dir
+from worker.training.batches import pad_batch
 from worker.training.engines import TELEMETRY_KEYS, OffloadTrainEngine
 from worker.training.recipe import (
     Cancelled,
@@ -19,7 +20,6 @@ from worker.training.recipe import (
     FineTuneRecipe,
     Hooks,
     TrainConfig,
-    pad_batch,
 )
 from worker.training.resources import auto_budget_bytes, available_memory_bytes
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.worker.conftest_training import text_examples, tiny_model_dir
+from worker.training.batches import pad_batch
 from worker.training.engines import InMemoryEngine
 from worker.training.recipe import (
     Cancelled,
@@ -25,7 +26,6 @@ from worker.training.recipe import (
     FineTuneRecipe,
     Hooks,
     TrainConfig,
-    pad_batch,
 )
 
 ROOT = Path(__file__).resolve().parents[3]

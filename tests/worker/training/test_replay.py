@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from worker.dataset.build import IGNORE_INDEX, qa_prompt_ids
+from worker.dataset.build import qa_prompt_ids
+from worker.dataset.corpus import IGNORE_INDEX
 from worker.scoring.evaluate import general_text
 from worker.training.replay import replay_examples, replay_pairs, replay_prompts
 

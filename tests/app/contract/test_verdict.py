@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.services.verdict import FORGETTING_RISE, forgetting, headline_recall, verdict
+from app.contract.scores import forgetting, headline_recall
+from app.contract.verdict import FORGETTING_RISE, verdict
 
 
 def side(hits: int, n: int = 40, general: float | None = 20.0, ppl: float = 30.0, **kw) -> dict:

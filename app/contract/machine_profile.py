@@ -1,0 +1,96 @@
+"""The machine profile: how fast this machine trains, measured once by the training worker
+(worker/training/machine_profile.py writes it as JSON to `settings.machine_profile_path`) and
+read by the web app for the estimate next to the Train button (app/services/planner.py).
+
+A profile of another format number is stale: the app ignores it and the worker measures
+again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Raise it when the shape below changes in a way an older reader cannot follow.
+FORMAT = 1
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Disk(_Part):
+    """The swap folder's speed, measured with the offload engine's own I/O path."""
+
+    read_gbps: float
+    write_gbps: float
+    o_direct: bool = False
+    bytes: int = 0
+
+
+class Cpu(_Part):
+    matmul_flops: float  # sustained fp32 matmul FLOP/s
+    compute_efficiency: float  # the share of it real training reaches
+
+
+class Reference(_Part):
+    """The batch the methods' per-step figures are planned at."""
+
+    batch_size: int
+    seq_len: int
+
+
+class MethodPlan(BaseModel):
+    """offload.plan's figures for one method (Plan.to_dict(), infinities as null). The web
+    app reads the ones named here; the others ride along."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    fits_in_memory: bool
+    fits: bool
+    compute_s_per_step: float | None = None
+    io_s_per_step: float | None = None
+    min_budget_bytes: int | None = None
+
+
+class StreamedBase(_Part):
+    """Whether a job streams the base model from the disk, and how long scoring it takes."""
+
+    fp32_bytes: int | None = None
+    streams: bool = False
+    scoring_s: float = 0.0
+
+
+class MachineProfile(_Part):
+    format: int
+    measured_at: str
+    base_model: str
+    budget_bytes: int
+    disk: Disk
+    cpu: Cpu
+    reference: Reference
+    methods: dict[str, MethodPlan]  # "lora", "full" (app.contract.training.METHODS)
+    base: StreamedBase = Field(default_factory=StreamedBase)
+
+
+def checked_profile(data: Mapping[str, Any]) -> dict[str, Any]:
+    """`data` unchanged once it has this format's shape; else ValueError."""
+    profile = MachineProfile.model_validate(dict(data))
+    if profile.format != FORMAT:
+        raise ValueError(f"machine profile format {profile.format}, expected {FORMAT}")
+    return dict(data)
+
+
+def is_current(data: Any, base_model: str) -> bool:
+    """`data` (parsed JSON) is a profile of this format for `base_model`."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return False
+    if data.get("base_model") != base_model:
+        return False
+    try:
+        checked_profile(data)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,219 @@
+"""A job's scores (`Job.scores`): what the worker measured before and after training, and
+for an incremental job on the version it started from. The worker validates them when it
+writes the row (worker/jobs/run.py); every reader (the score card, the verdict, the
+comparison, the model card, the CLI, scripts/experiments/recall.py) parses them here.
+
+One side (`Side`) is what worker/scoring/evaluate.py returns:
+
+- perplexity on the held-out chunks (None without any);
+- the recall probes as sentence completions: n_probes, n_recalled, recall, probes;
+- questions: the same facts asked as questions in the chat format, {n, n_recalled,
+  recall, items};
+- qa: the user's held-out question-answer pairs, token F1 and containment;
+- general: the forgetting check, perplexity on a general-English sample (None: skipped);
+- probe_set: a fingerprint of the probes, so two jobs can be compared on the same ones.
+
+A part that is missing or null reads as empty (no probes, nothing measured): scores of
+older jobs lack the questions and the forgetting check. Unknown keys are refused, so a new
+figure is added here before either side uses it.
+
+The headline rule: the facts asked as questions when the job measured them, else the
+sentence completions (`headline_kind`, `headline_recall`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _none_as(empty: Any) -> BeforeValidator:
+    """null in the JSON reads as `empty` (an older or partial row)."""
+    return BeforeValidator(lambda value: empty if value is None else value)
+
+
+Count = Annotated[int, _none_as(0)]
+Text = Annotated[str, _none_as("")]
+Flag = Annotated[bool, _none_as(False)]
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, frozen=True)
+
+
+class _Answered(_Part):
+    answer: Text = ""
+    output: Text = ""  # what the model generated (greedy)
+
+
+class Probe(_Answered):
+    """A fact as a sentence completion: the model continues `prompt`."""
+
+    prompt: Text = ""
+    hit: Flag = False  # the output contains the answer
+    source: Text = ""  # the document it comes from
+
+
+class Question(_Answered):
+    """The same fact asked as a question in the chat format, worded apart from training."""
+
+    question: Text = ""
+    hit: Flag = False
+    source: Text = ""
+    sentence: Text = ""  # the document's sentence that states the fact
+    template: Text = ""  # which wording was used
+
+
+class Questions(_Part):
+    n: Count = 0
+    n_recalled: Count = 0
+    recall: float | None = None
+    items: Annotated[list[Question], _none_as([])] = Field(default_factory=list)
+
+
+class General(_Part):
+    """The forgetting check: perplexity on a general-English sample shipped with the app."""
+
+    perplexity: float | None = None
+    n_paragraphs: Count = 0
+
+
+class QAItem(_Answered):
+    """One of the user's held-out question-answer pairs."""
+
+    question: Text = ""
+    f1: float | None = None  # token F1 of the output against the answer
+    contains: Flag = False  # the output contains the answer
+
+
+class QA(_Part):
+    n: Count = 0
+    f1: float | None = None
+    exact: float | None = None  # share of outputs that contain the answer
+    items: Annotated[list[QAItem], _none_as([])] = Field(default_factory=list)
+
+
+class Side(_Part):
+    """One model's scores: before training, after it, or the previous version."""
+
+    probe_set: str | None = None
+    perplexity: float | None = None
+    n_heldout_chunks: Count = 0
+    recall: float | None = None
+    n_probes: Count = 0
+    n_recalled: int | None = None  # None: older rows that stored only `recall`
+    probes: Annotated[list[Probe], _none_as([])] = Field(default_factory=list)
+    questions: Annotated[Questions, _none_as({})] = Field(default_factory=Questions)
+    general: Annotated[General, _none_as({})] = Field(default_factory=General)
+    qa: Annotated[QA, _none_as({})] = Field(default_factory=QA)
+
+    @property
+    def measured(self) -> bool:
+        """Anything was recorded for this side (an empty dict records nothing)."""
+        return bool(self.model_fields_set)
+
+    def completion_counts(self) -> tuple[int, int]:
+        """(n, hits) of the sentence completions."""
+        hits = self.n_recalled
+        if hits is None and self.recall is not None:
+            hits = round(float(self.recall) * self.n_probes)
+        return self.n_probes, int(hits or 0)
+
+    def question_counts(self) -> tuple[int, int]:
+        """(n, hits) of the facts asked as questions."""
+        return self.questions.n, self.questions.n_recalled
+
+
+class Scores(_Part):
+    """`Job.scores`: before and after training; `previous` for an incremental job (the
+    version it started from, on the same probes and held-out text)."""
+
+    before: Annotated[Side, _none_as({})] = Field(default_factory=Side)
+    after: Side | None = None
+    previous: Side | None = None
+
+
+def as_side(side: Side | Mapping[str, Any] | None) -> Side:
+    """One side from the JSON (or already parsed); None reads as nothing measured."""
+    if isinstance(side, Side):
+        return side
+    return Side.model_validate(dict(side or {}))
+
+
+def parse_scores(raw: Scores | Mapping[str, Any] | None) -> Scores:
+    """`Job.scores` from the JSON; raises ValueError (pydantic's ValidationError) when it
+    does not have this shape."""
+    if isinstance(raw, Scores):
+        return raw
+    return Scores.model_validate(dict(raw or {}))
+
+
+def checked_scores(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The worker's side: `raw` unchanged once it has this shape, else ValueError."""
+    parse_scores(raw)
+    return dict(raw)
+
+
+def finite_number(value: Any) -> float | None:
+    """`value` as a float, or None when it is missing, not a number, NaN or infinite (scores
+    come from JSON written by the worker)."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+# The headline rule
+
+
+RecallKind = Literal["questions", "completion"]
+
+
+def headline_kind(after: Side) -> RecallKind:
+    """Questions asked in chat when the job measured them, else sentence completions."""
+    return "questions" if after.questions.n else "completion"
+
+
+@dataclass
+class RecallFigures:
+    n: int
+    before: int
+    after: int
+    kind: RecallKind  # "questions" (asked in chat) or "completion" (sentence completions)
+
+    @property
+    def gain(self) -> int:
+        return self.after - self.before
+
+    @property
+    def rate_after(self) -> float:
+        return self.after / self.n if self.n else 0.0
+
+
+def headline_recall(
+    before: Side | Mapping[str, Any] | None, after: Side | Mapping[str, Any] | None
+) -> RecallFigures:
+    """The headline recall of a job: of the kind `headline_kind` picks, counted over the
+    probes of the side after training."""
+    before, after = as_side(before), as_side(after)
+    if headline_kind(after) == "questions":
+        n, hits = after.question_counts()
+        return RecallFigures(n, before.question_counts()[1], hits, "questions")
+    n, hits = after.completion_counts()
+    return RecallFigures(n, before.completion_counts()[1], hits, "completion")
+
+
+def forgetting(
+    before: Side | Mapping[str, Any] | None, after: Side | Mapping[str, Any] | None
+) -> float | None:
+    """Relative rise of the general-text perplexity (0.25 = 25% worse); None if unmeasured."""
+    b = finite_number(as_side(before).general.perplexity)
+    a = finite_number(as_side(after).general.perplexity)
+    if b is None or a is None or b <= 0:
+        return None
+    return a / b - 1

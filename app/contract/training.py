@@ -1,0 +1,90 @@
+"""Training settings both sides read: the methods, the Train form's Advanced fields with
+their bounds (the web form checks them, the worker's recipe enforces them again), and the
+defaults chosen for the corpus size (what the Train button uses unless the user opens
+"Advanced"). Pure Python, so the web app can show them and the worker can use them without
+either importing the other's heavy side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class FormField:
+    """One setting of the Advanced form: its name in the form and in the job's params."""
+
+    name: str
+    label: str
+    hint: str  # what it does, in words (the form adds the bounds)
+    whole: bool  # a whole number (else any number)
+    low: float
+    high: float
+
+
+FIELDS = (
+    FormField("epochs", "Epochs", "How many times training reads all your documents", True, 1, 50),
+    FormField(
+        "learning_rate",
+        "Learning rate",
+        "How big each learning step is; too high can make the model forget",
+        False,
+        1e-6,
+        1e-2,
+    ),
+    FormField(
+        "lora_rank",
+        "LoRA rank",
+        "Size of the LoRA add-on; higher can hold more (LoRA only)",
+        True,
+        1,
+        256,
+    ),
+    FormField(
+        "max_seq_len",
+        "Max sequence length",
+        "Tokens the model reads at once; longer needs more memory",
+        True,
+        32,
+        4096,
+    ),
+)
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+# name -> (low, high): the bounds the form accepts and the recipe enforces.
+LIMITS = {f.name: (f.low, f.high) for f in FIELDS}
+
+
+# The recipe measured on the fixture corpus (README "Making recall real", reproduced by
+# `python -m scripts.experiments.recall`): practice questions made from the facts, a
+# LoRA step large enough to learn them in a few epochs, and the base model's own answers to
+# everyday requests replayed alongside.
+GENERATED_QA = 2  # practice questions per fact-bearing sentence (worker.dataset)
+REPLAY = 16  # everyday requests the base model answers once, trained on too (worker.training.replay)
+
+
+def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
+    """Defaults that finish in minutes on a CPU with the embedded 135M model.
+
+    Small corpora need more passes to be learned at all; large ones fewer, so the
+    number of optimizer steps (and the wall time) stays roughly bounded. The practice
+    questions multiply the examples (about 8x on the fixture corpus), so the passes are
+    fewer than text alone would need.
+    """
+    size = n_words + 30 * n_qa  # a Q&A pair is worth about one short paragraph
+    if size < 2_000:
+        epochs = 4
+    elif size < 10_000:
+        epochs = 3
+    else:
+        epochs = 2
+    return {
+        "method": method,
+        "epochs": epochs,
+        # LoRA adapters tolerate (and on tiny data need) a far larger step than full FT.
+        "learning_rate": 1e-3 if method == "lora" else 2e-5,
+        "lora_rank": 16,
+        "max_seq_len": 256,
+        "generated_qa": GENERATED_QA,
+        "replay": REPLAY,
+    }

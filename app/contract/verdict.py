@@ -1,0 +1,206 @@
+"""The score card's verdict: one plain sentence on whether training worked, and what to try
+next, from the worker's before/after scores (app.contract.scores).
+
+Here rather than in app/services because the worker prints it too: into every download's
+model card (worker/export/card.py) and at the end of `doctune train` (worker/cli/main.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.contract.scores import (
+    RecallFigures,
+    Side,
+    as_side,
+    finite_number,
+    forgetting,
+    headline_recall,
+)
+
+# General-text perplexity may rise this much (relative) before we call it forgetting.
+FORGETTING_RISE = 0.20
+# A recall at least this high, without forgetting, is "safe to use".
+SAFE_RECALL = 0.5
+# Fewer newly recalled facts than this (and than MIN_GAIN_SHARE of the probes) is "barely
+# changed": greedy answers of a small model flip on a fact or two by chance.
+MIN_GAIN = 2
+MIN_GAIN_SHARE = 0.10
+# Held-out perplexity rising this much means the model memorised rather than generalised.
+OVERFIT_RISE = 0.5
+
+
+@dataclass
+class Verdict:
+    """level: good | partial | barely | worse | forgetting | unmeasured."""
+
+    level: str
+    headline: str
+    details: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.level == "good"
+
+
+@dataclass
+class _Settings:
+    """The job's settings as the advice quotes them."""
+
+    lr: float | None
+    lora: bool
+    more_epochs: str  # " (for example 16 epochs instead of 8)", or ""
+    fewer_epochs: str  # " (for example 4 instead of 8)", or ""
+
+    @classmethod
+    def of(cls, params: Mapping[str, Any]) -> _Settings:
+        epochs = params.get("epochs")
+        more = f" (for example {int(epochs) * 2} epochs instead of {epochs})" if epochs else ""
+        fewer = (
+            f" (for example {max(1, int(epochs) // 2)} instead of {epochs})"
+            if epochs and int(epochs) > 1
+            else ""
+        )
+        lora = params.get("method", "lora") == "lora"
+        return cls(finite_number(params.get("learning_rate")), lora, more, fewer)
+
+    @property
+    def half_lr(self) -> str:
+        return f" (for example {self.lr / 2:g})" if self.lr else ""
+
+
+def _facts(n: int) -> str:
+    return f"{n} fact{'s' if n != 1 else ''}"
+
+
+def _measurements(
+    before: Side, after: Side, rise: float | None, forgot: bool
+) -> tuple[list[str], list[str]]:
+    """(details, advice) from the forgetting check, the held-out perplexity and the user's
+    own held-out questions."""
+    details: list[str] = []
+    advice: list[str] = []
+    if rise is not None:
+        details.append(
+            f"General English: perplexity {'rose' if rise > 0 else 'changed'} by "
+            f"{100 * rise:+.0f}% on a general-text sample"
+            + (
+                " (the model got worse at ordinary text)."
+                if forgot
+                else " (no sign of forgetting)."
+            )
+        )
+    ppl_b, ppl_a = finite_number(before.perplexity), finite_number(after.perplexity)
+    if ppl_b and ppl_a and ppl_a > ppl_b * (1 + OVERFIT_RISE):
+        details.append(
+            f"Held-out perplexity rose from {ppl_b:.1f} to {ppl_a:.1f}: the model memorised "
+            "the training text rather than its style."
+        )
+        advice.append("Train for fewer epochs, or add more documents so it cannot memorise.")
+    f1_b, f1_a = finite_number(before.qa.f1), finite_number(after.qa.f1)
+    n_qa = after.qa.n
+    if n_qa and f1_b is not None and f1_a is not None:
+        details.append(
+            f"Your own held-out questions: word overlap {100 * f1_b:.0f}% → {100 * f1_a:.0f}% "
+            f"({n_qa} question{'s' if n_qa != 1 else ''})."
+        )
+    return details, advice
+
+
+def _unmeasured(details: list[str], advice: list[str], forgot: bool, tips: _Settings) -> Verdict:
+    """No probes: say why recall could not be measured, and how the next job can be."""
+    details.insert(
+        0,
+        "Recall could not be measured: no sentence in the documents states a distinctive "
+        "fact (a number, code, name or date) to ask about.",
+    )
+    advice.append(
+        "Add documents that state concrete facts (prices, dates, names, codes, limits), "
+        "or question-answer pairs (CSV or JSONL), so the next job can be checked."
+    )
+    if forgot:
+        advice.append(
+            f"Try fewer epochs{tips.fewer_epochs}: the model got worse at general English."
+        )
+    return Verdict(
+        "unmeasured", "No facts to check: recall could not be measured.", details, advice
+    )
+
+
+def _judge(recall: RecallFigures, forgot: bool, tips: _Settings) -> tuple[str, str, list[str]]:
+    """(level, headline, advice) from the headline recall and the forgetting check."""
+    advice: list[str] = []
+    learned = f"Learned {recall.after} of {recall.n} facts (was {recall.before})."
+    barely = abs(recall.gain) < max(MIN_GAIN, math.ceil(MIN_GAIN_SHARE * recall.n))
+    if recall.gain < 0 and not barely:
+        level = "worse"
+        headline = (
+            f"Got worse: recalls {_facts(recall.after)} of {recall.n}, "
+            f"down from {recall.before}. Do not use it."
+        )
+        advice.append(f"Train again with a lower learning rate{tips.half_lr} or fewer epochs.")
+    elif barely:
+        level, headline = "barely", "Barely changed: add more documents or train longer."
+        advice.append(f"Train longer{tips.more_epochs}.")
+        advice.append(
+            "Add question-answer pairs (CSV or JSONL) about the facts that matter most: "
+            "the model learns to answer from them fastest."
+        )
+        if tips.lr is not None and tips.lora and tips.lr < 5e-4:
+            advice.append(
+                f"Or raise the learning rate (for example to {min(tips.lr * 2.5, 1e-3):g})."
+            )
+    elif forgot:
+        level = "forgetting"
+        headline = f"{learned[:-1]}, but the model got worse at general English; try fewer epochs."
+        advice.append(
+            f"Try fewer epochs{tips.fewer_epochs} or a lower learning rate{tips.half_lr}"
+            " to keep its general skills."
+        )
+    elif recall.rate_after >= SAFE_RECALL:
+        level, headline = "good", f"{learned} Safe to use."
+        if recall.rate_after < 0.9:
+            advice.append(
+                "Check the side-by-side answers below: the facts it still misses are the ones "
+                "to add as question-answer pairs."
+            )
+    else:
+        level = "partial"
+        headline = f"{learned} Partly learned: check its answers against your documents."
+        advice.append(
+            f"Train longer{tips.more_epochs}, or add question-answer pairs about the facts it "
+            "misses."
+        )
+    return level, headline, advice
+
+
+def verdict(
+    before: Side | Mapping[str, Any] | None,
+    after: Side | Mapping[str, Any] | None,
+    params: Mapping[str, Any] | None = None,
+) -> Verdict:
+    """The verdict for one job. `params` (the job's settings) makes the advice concrete."""
+    before, after, params = as_side(before), as_side(after), params or {}
+    recall = headline_recall(before, after)
+    rise = forgetting(before, after)
+    forgot = rise is not None and rise > FORGETTING_RISE
+    tips = _Settings.of(params)
+    details, advice = _measurements(before, after, rise, forgot)
+    if recall.n == 0:
+        return _unmeasured(details, advice, forgot, tips)
+
+    how = "questions about your documents" if recall.kind == "questions" else "fact completions"
+    details.insert(
+        0,
+        f"Knowledge recall: {recall.after} of {recall.n} {how} answered correctly after "
+        f"training, {recall.before} before.",
+    )
+    level, headline, more = _judge(recall, forgot, tips)
+    advice += more
+    if forgot and level not in ("forgetting", "worse"):
+        advice.append(f"The model got worse at general English; try fewer epochs{tips.fewer_epochs}.")
+    return Verdict(level, headline, details, advice)

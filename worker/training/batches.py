@@ -1,0 +1,69 @@
+"""The training batches: which examples each optimizer step takes, padded into tensors.
+
+The order of an epoch is a pure function of the seed and the epoch (a resumed run skips
+exactly the batches already done), and the examples' fingerprint ties a checkpoint to the
+data it was made on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from worker.dataset.corpus import IGNORE_INDEX
+
+# Batches per window whose examples are sorted by length (group_by_length).
+LENGTH_WINDOW = 16
+
+
+def pad_batch(examples: list[dict], pad_token_id: int, max_len: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest example: pad tokens get attention 0 and label IGNORE_INDEX."""
+    rows = [(ex["input_ids"][:max_len], ex["labels"][:max_len]) for ex in examples]
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (ids, labs) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[i, : len(labs)] = torch.tensor(labs, dtype=torch.long)
+        attention[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def examples_digest(examples: list[dict]) -> str:
+    """Fingerprint of the training data, so a checkpoint is only resumed on the same data."""
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex["input_ids"], ex["labels"]], separators=(",", ":")).encode())
+    return h.hexdigest()
+
+
+def epoch_order(
+    lengths: list[int], seed: int, epoch: int, per_step: int, group_by_length: bool
+) -> list[int]:
+    """The order in which epoch `epoch` visits the examples (of these `lengths`, capped at
+    the sequence length): a permutation seeded by seed + epoch, then, with
+    `group_by_length`, examples of similar length put in the same batch of `per_step`."""
+    gen = torch.Generator().manual_seed(seed + epoch)
+    order = torch.randperm(len(lengths), generator=gen).tolist()
+    if group_by_length:
+        order = _group_by_length(order, lengths, per_step, gen)
+    return order
+
+
+def _group_by_length(
+    order: list[int], lengths: list[int], per_step: int, gen: torch.Generator
+) -> list[int]:
+    """`order` with examples of similar length in the same batch: each window of
+    LENGTH_WINDOW batches is sorted by length, then the full batches are shuffled (the short
+    last batch stays last, where the recipe's batch_for_step expects it)."""
+    window = LENGTH_WINDOW * per_step
+    ordered: list[int] = []
+    for start in range(0, len(order), window):
+        ordered += sorted(order[start : start + window], key=lengths.__getitem__)  # stable
+    n_full = len(ordered) // per_step
+    batches = [ordered[b * per_step : (b + 1) * per_step] for b in range(n_full)]
+    shuffled = [batches[b] for b in torch.randperm(n_full, generator=gen).tolist()]
+    return [i for batch in shuffled for i in batch] + ordered[n_full * per_step :]
