@@ -2,7 +2,7 @@
 
 Migrations -> embedded model prepared -> Redis (private one if REDIS_URL is unset) ->
 two Celery workers (ingest: quick extraction tasks; train: one job at a time, so jobs
-queue one after another) -> the folder watcher (app/watcher.py) -> the web app.
+queue one after another) -> the folder watcher (app/watcher/) -> the web app.
 Ctrl-C (or SIGTERM) stops all of it."""
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The watched folder: `python -m app.watcher` (`doctune watch`; `doctune up` starts it).
+"""The watcher's loop: projects -> folders -> scans -> documents, plus auto-train (see the
+package docstring for what counts as a finished file)."""
 
-Each project has an inbox folder. A file put there becomes a document through the same
-services as an upload (`receive_local_file` + `register_uploads`; extraction is queued to
-the worker after the commit), once it is complete: its size, modification time and change
-time held still for `settings.watch_stable_s` seconds, and it is read whole without
-changing. Editing a file adds a version, deleting it retires its document, moving it
-keeps the document (app/services/inbox.py).
-
-File-system events (watchdog: inotify, FSEvents, ReadDirectoryChangesW) only say "look
-again soon"; what counts is a scan of the folder, repeated every `watch_rescan_s` anyway,
-so an event lost to a full kernel queue, a network drive without events, or a watcher that
-was not running costs a delay, never a file. The loop also runs auto-train
-(app/services/autotrain.py). Every step is guarded: a bad file or a database hiccup is
-logged and tried again later, and the watcher keeps running.
-"""
 
 from __future__ import annotations
 
@@ -24,15 +11,11 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 from sqlalchemy import select, update
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from app.db import session_scope, utcnow
-from app.folder_scan import Scan, Seen, ignore_reason, scan_folder, stat_seen
 from app.models import AutoTrain, Document, Project
 from app.services.autotrain import auto_train_step
 from app.services.inbox import (
@@ -44,6 +27,8 @@ from app.services.inbox import (
 )
 from app.services.uploads import ReceivedFile, human_size, receive_local_file
 from app.settings import settings
+from app.watcher.scan import Scan, scan_folder, stat_seen
+from app.watcher.state import Candidate, Events, Inbox, Known
 
 log = logging.getLogger("doctune.watcher")
 
@@ -51,73 +36,6 @@ BATCH = 100  # files read and recorded per transaction
 REFRESH_PROJECTS_S = 1.0  # how often the list of projects (and their folders) is reread
 AUTO_EVERY_S = 1.0  # how often auto-train looks at the projects that use it
 STATUS_EVERY_S = HEARTBEAT_S / 2
-
-
-# One project's inbox
-
-
-@dataclass
-class Candidate:
-    """A file that is new or changed, waiting to hold still (or to be readable)."""
-
-    sig: tuple[int, int, int]
-    since: float  # monotonic time the signature was first seen
-    attempts: int = 0  # failed reads so far
-    not_before: float = 0.0  # retry no earlier than this
-
-
-@dataclass
-class Known:
-    """An active inbox document: the file at its path is unchanged when size and mtime match.
-    A file that could not be read (no content hash) is looked at again on any change,
-    permissions included (the change time tells), and once after each watcher start."""
-
-    doc_id: int
-    size: int
-    mtime_ns: int | None
-    unread: bool = False
-    ctime_ns: int | None = None
-
-    def matches(self, seen: Seen) -> bool:
-        same = (self.size, self.mtime_ns) == (seen.size, seen.mtime_ns)
-        return same and (not self.unread or self.ctime_ns == seen.ctime_ns)
-
-
-class _Events(FileSystemEventHandler):
-    """watchdog callback (its own thread): mark the inbox for a rescan and wake the loop."""
-
-    def __init__(self, inbox: Inbox, wake: threading.Event) -> None:
-        self.inbox = inbox
-        self.wake = wake
-
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.event_type in ("opened", "closed_no_write"):
-            return
-        names = [os.path.basename(os.fsdecode(p)) for p in (event.src_path, event.dest_path) if p]
-        if not event.is_directory and names and all(ignore_reason(n) for n in names):
-            return  # lock and temporary files come and go without changing anything
-        self.inbox.event_at = time.monotonic()
-        self.wake.set()
-
-
-class Inbox:
-    """What the watcher knows about one project's folder between scans."""
-
-    def __init__(self, project_id: int, root: Path) -> None:
-        self.project_id = project_id
-        self.root = root
-        self.watch = None  # watchdog's handle while events are on
-        self.root_id: tuple[int, int] | None = None  # (device, inode) the watch was set on
-        self.status: str | None = None
-        self.status_written = 0.0
-        self.candidates: dict[str, Candidate] = {}
-        self.known: dict[str, Known] = {}
-        self.known_loaded = 0.0
-        self.missing_since: dict[str, float] = {}
-        self.logged_skips: set[str] = set()
-        self.event_at = time.monotonic()  # a first scan straight away
-        self.scanned_at = 0.0
-        self.seen_written = 0.0
 
 
 class Watcher:
@@ -223,7 +141,7 @@ class Watcher:
             self._unwatch(inbox)
             try:
                 inbox.watch = self.observer.schedule(
-                    _Events(inbox, self.wake), str(inbox.root), recursive=True
+                    Events(inbox, self.wake), str(inbox.root), recursive=True
                 )
             except Exception as exc:  # noqa: BLE001  (e.g. the inotify limit: scans still work)
                 log.warning(
@@ -525,6 +443,3 @@ def main() -> int:
     Watcher().run(stop)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

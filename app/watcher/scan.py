@@ -1,7 +1,7 @@
 """Looking at a watched folder without reading any file: which files are candidates, and
 which are skipped and why (lock and temporary files, hidden ones, links leading outside).
 
-Pure standard library; app/watcher.py decides what to do with what a scan finds."""
+Pure standard library; app/watcher/loop.py decides what to do with what a scan finds."""
 
 from __future__ import annotations
 
