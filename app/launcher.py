@@ -24,6 +24,17 @@ def _worker_cmd(queue: str, concurrency: int) -> list[str]:
             "-Q", queue, "-c", str(concurrency), "-n", f"{queue}@%h", "--loglevel", "INFO"]
 
 
+def _address() -> str:
+    """The address to open: a wildcard bind (0.0.0.0, ::) is not a name the front door
+    accepts, so this machine's loopback name stands in for it."""
+    host = settings.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.port}"
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["DOCTUNE_DATA_DIR"] = str(settings.data_dir)
@@ -66,7 +77,7 @@ def run(with_web: bool = True) -> int:
             procs.append(("web", subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "app.main:app", "--host", settings.host,
                  "--port", str(settings.port)], env=env)))
-            print(f"\n  DocTune is running: http://{settings.host}:{settings.port}\n"
+            print(f"\n  DocTune is running: {_address()}\n"
                   "  Press Ctrl-C to stop.\n", flush=True)
         while True:
             for name, p in procs:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
+from app.front_door import FrontDoor, allowed_names
 from app.routes import api, pages
 from app.routes.templating import message_page
 from app.services.errors import InvalidInput, NotFound
@@ -32,29 +32,6 @@ _TITLES = {
 }
 
 
-class SameOriginPosts:
-    """Refuse state-changing requests sent by other web sites (cross-site request forgery).
-
-    DocTune listens on the user's own machine, so any page the user visits could post a
-    form to it; browsers label such requests with an Origin header we can check."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
-            headers = {k.lower(): v for k, v in scope["headers"]}
-            origin = headers.get(b"origin", b"").decode("latin-1")
-            host = headers.get(b"host", b"").decode("latin-1")
-            if origin and urlsplit(origin).netloc != host:
-                response = JSONResponse(
-                    {"detail": "Requests from other web sites are not accepted."}, status_code=403
-                )
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _wants_json(request: Request) -> bool:
     return request.url.path.startswith("/api/") or request.url.path == "/healthz"
 
@@ -66,14 +43,22 @@ def _error(request: Request, status_code: int, message: str) -> Response:
     return message_page(request, title, message, status_code)
 
 
+class DocTune(FastAPI):
+    """FastAPI with the front door outside everything, even the handler that renders 500s,
+    so that no response (a crash page included) leaves without its security headers."""
+
+    def build_middleware_stack(self) -> ASGIApp:
+        return FrontDoor(super().build_middleware_stack())
+
+
 def create_app() -> FastAPI:
-    app = FastAPI(
+    allowed_names()  # a malformed DOCTUNE_ALLOWED_HOSTS stops the start, not the first request
+    app = DocTune(
         title="DocTune",
         summary="Fine-tune a language model on your own documents, on your own machine.",
         docs_url=None,  # the interactive docs load scripts from a CDN; DocTune works offline
         redoc_url=None,
     )
-    app.add_middleware(SameOriginPosts)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(pages.router)
     app.include_router(api.router)

@@ -119,6 +119,10 @@ class Document(Base):
     preview: Mapped[str] = mapped_column(Text, default="")
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     extracted_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
+    # Reading it: how many times a worker started (a redelivered task finds 1 and marks the
+    # file failed instead of reading it again), and when the last one started.
+    read_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    read_started_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
 
     # Watched folder: the file's path inside the project's inbox ("/"-separated); None for
     # uploads. A path has one active version; edits add versions, older ones are retired.

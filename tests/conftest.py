@@ -32,8 +32,14 @@ def _free_port() -> int:
 
 
 REDIS_PORT = _free_port()
+REDIS_DIR = SESSION_DIR / "redis"
 os.environ["DOCTUNE_DATA_DIR"] = str(SESSION_DIR / "data")
-os.environ["REDIS_URL"] = os.environ.get("TEST_REDIS_URL", f"redis://127.0.0.1:{REDIS_PORT}/0")
+if "TEST_REDIS_URL" in os.environ:  # an external Redis, used exactly as given
+    os.environ["REDIS_URL"] = os.environ["TEST_REDIS_URL"]
+else:  # the private one, started below the way the launcher starts it: password and all
+    from app.redis_server import private_redis_url
+
+    os.environ["REDIS_URL"] = private_redis_url(REDIS_DIR, REDIS_PORT)
 os.environ["DOCTUNE_BASE_MODEL"] = str(TINY_MODEL)
 os.environ.pop("DATABASE_URL", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -53,7 +59,7 @@ def redis_url() -> str:
         return
     from app.redis_server import start_private_redis
 
-    proc = start_private_redis(SESSION_DIR / "redis", REDIS_PORT)
+    proc = start_private_redis(REDIS_DIR, REDIS_PORT)
     yield url
     proc.terminate()
     proc.wait(timeout=10)
@@ -153,8 +159,9 @@ def live_server(redis_url, migrated_db, tiny_base_model, celery_worker):
     with open(log, "ab") as logf:
         proc = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1",
-             "--port", str(port)],
-            cwd=ROOT, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
+             "--port", str(port)],  # DOCTUNE_PORT: the front door answers on that port only
+            cwd=ROOT, env={**_env(), "DOCTUNE_PORT": str(port)}, stdout=logf,
+            stderr=subprocess.STDOUT,
         )
     from app.redis_server import port_open
 

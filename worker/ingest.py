@@ -1,5 +1,11 @@
 """Extract one uploaded document and record the outcome on its row.
 
+The reader runs in a box (worker/extract/sandbox.py: a child process under the memory, CPU
+and wall-clock limits of settings.reader_*), so a hostile file fails in words and the worker
+lives on. Each document is read once: the attempt is committed on its row before the reader
+starts, and a task delivered again for a document already attempted (its worker died
+mid-read, so the broker redelivered it) marks it failed instead of reading it again.
+
 The extracted text lives next to the original in the documents folder:
 `<stored_name>.txt` (plain text) and `<stored_name>.qa.json` (question-answer pairs)."""
 
@@ -15,7 +21,8 @@ from app.db import session_scope, utcnow
 from app.models import DocStatus, Document
 from app.settings import settings
 from worker.dataset.corpus import SourceDoc
-from worker.extract import ExtractionError, extract
+from worker.extract import ExtractionError
+from worker.extract.sandbox import ReaderLimits, extract_boxed
 from worker.files import write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -24,6 +31,20 @@ INTERNAL_ERROR = (
     "DocTune could not read this file because of an internal error. "
     "Try saving it again (or as PDF) and upload it once more."
 )
+READ_BEFORE = (
+    "DocTune started reading this file before and that reading never finished (the reader "
+    "or its worker stopped), so it will not try again. If the file opens on your computer, "
+    "save it again (or as PDF) and upload the copy."
+)
+
+
+def reader_limits() -> ReaderLimits:
+    """The reader box's limits, from settings."""
+    return ReaderLimits(
+        memory_bytes=settings.reader_memory_mb * 2**20,
+        cpu_s=settings.reader_cpu_s,
+        timeout_s=settings.reader_timeout_s,
+    )
 
 
 def text_path(stored_name: str) -> Path:
@@ -35,16 +56,24 @@ def qa_path(stored_name: str) -> Path:
 
 
 def ingest_document(doc_id: int) -> str | None:
-    """Extract document `doc_id` if still pending; returns its new status (None: nothing to do)."""
-    with session_scope() as session:
+    """Extract document `doc_id` if still pending; returns its new status (None: nothing to do).
+    A document some earlier delivery already started reading is marked failed, not read."""
+    with session_scope() as session:  # commits the attempt before the reader starts
         doc = session.get(Document, doc_id)
         if doc is None or doc.status != DocStatus.pending:
             return None
+        if doc.read_attempts:
+            log.warning("document %s was already being read (since %s); marked failed",
+                        doc_id, doc.read_started_at)
+            doc.status, doc.error, doc.extracted_at = DocStatus.failed, READ_BEFORE, utcnow()
+            return DocStatus.failed
+        doc.read_attempts += 1
+        doc.read_started_at = utcnow()
         stored_name, kind = doc.stored_name, doc.kind
 
     status, error, fields = DocStatus.extracted, None, {}
     try:
-        result = extract(settings.documents_dir / stored_name, kind)
+        result = extract_boxed(settings.documents_dir / stored_name, kind, reader_limits())
         write_text_atomic(text_path(stored_name), result.text)
         write_text_atomic(qa_path(stored_name), json.dumps(result.qa_pairs, ensure_ascii=False))
         fields = {

@@ -8,6 +8,7 @@ from worker.celery_app import celery
 
 @celery.task(name=INGEST_TASK)
 def ingest_document(doc_id: int) -> str | None:
+    """Read one document in the reader box; a redelivery after a crash marks it failed."""
     from worker.ingest import ingest_document as run
 
     return run(doc_id)

@@ -9,10 +9,11 @@ content) keeps the document. Retired versions are kept with their files, never d
 
 from __future__ import annotations
 
+import os
 import re
 import unicodedata
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from app.models import AutoTrain, DocStatus, Document, Project, Retired
 from app.services.documents import register_uploads
 from app.services.errors import InvalidInput
 from app.services.uploads import ReceivedFile
+from app.settings import settings
 
 # Characters Windows, macOS or a USB stick's FAT would refuse in a folder name.
 _UNSAFE = re.compile(r'[<>:"/\\|?*\x00-\x1f\x7f]')
@@ -74,6 +76,45 @@ def inbox_folders(projects: Iterable[Project], root: Path) -> dict[int, Path]:
 
 def inbox_folder(session: Session, project: Project, root: Path) -> Path:
     return inbox_folders(session.scalars(select(Project)), root)[project.id]
+
+
+# Where a watched folder may be
+
+# What the watcher writes on the project (at most 200 characters) for a folder it refuses.
+REFUSED_STATUS = (
+    "DocTune may not watch this folder: it is outside the inbox folder and the allowed "
+    "folders (DOCTUNE_ALLOWED_FOLDERS), so its files are not read."
+)
+
+
+def allowed_places(root: Path, allowed: Sequence[Path]) -> list[str]:
+    """Where watched folders may be, for the page: the inbox root, then the allowed folders."""
+    return [str(root), *(str(a) for a in allowed)]
+
+
+def folder_refusal(folder: Path, root: Path, allowed: Sequence[Path]) -> str | None:
+    """Why `folder` may not be watched, in words; None when it may. Every link resolved, it
+    must lie inside the inbox root (not be the root itself, which holds every project's
+    folder) or be, or lie inside, one of the `allowed` folders. Anything else (the home
+    folder, /, /etc) would let whoever sets the folder read those files back."""
+    real = Path(os.path.realpath(folder))
+    real_root = Path(os.path.realpath(root))
+    if real == real_root:
+        return (
+            f"{folder} holds the folders of every project. Choose a folder inside it, or leave "
+            "the field empty for this project's own folder."
+        )
+    if real.is_relative_to(real_root):
+        return None
+    if any(real.is_relative_to(os.path.realpath(base)) for base in allowed):
+        return None
+    leads = "" if real == Path(os.path.normpath(folder)) else f" (it leads to {real})"
+    places = " or inside ".join(allowed_places(root, allowed))
+    return (
+        f"DocTune only watches folders inside {places}; {folder}{leads} is not. Choose a "
+        "folder there, or leave the field empty for this project's own folder. To use "
+        "another folder, whoever runs DocTune adds it to DOCTUNE_ALLOWED_FOLDERS."
+    )
 
 
 # What the watcher reports
@@ -283,6 +324,8 @@ def parse_inbox_form(form: dict[str, str]) -> InboxSettings:
             errors["inbox_path"] = "Please give the folder's full path, e.g. /home/me/Documents."
         elif "\x00" in raw_path or len(raw_path) > 1000:
             errors["inbox_path"] = "This folder path cannot be used."
+        elif refusal := folder_refusal(path, settings.inbox_dir, settings.allowed_folders):
+            errors["inbox_path"] = refusal
         else:
             inbox_path = str(path)
     mode = (form.get("auto_train") or AutoTrain.off).strip()
@@ -337,12 +380,13 @@ class InboxView:
 
     path: str
     custom: bool
-    state: Literal["ok", "missing", "unchecked", "no-watcher"]
+    state: Literal["ok", "missing", "refused", "unchecked", "no-watcher"]
     message: str | None
     auto_train: str
     auto_quiet_min: float
     auto_nightly_at: str
     start_from: str
+    allowed: list[str]  # where a watched folder may be
 
 
 def inbox_view(
@@ -352,7 +396,10 @@ def inbox_view(
     path = inbox_folder(session, project, root)
     status = project.inbox_status
     checked = project.inbox_checked_at
-    if checked is None:
+    refusal = folder_refusal(path, root, settings.allowed_folders)
+    if refusal is not None:
+        state, message = "refused", f"{refusal} This folder is not watched."
+    elif checked is None:
         state, message = (
             "unchecked",
             (
@@ -381,4 +428,5 @@ def inbox_view(
         auto_quiet_min=round(project.auto_quiet_s / 60, 1),
         auto_nightly_at=project.auto_nightly_at,
         start_from=project.start_from,
+        allowed=allowed_places(root, settings.allowed_folders),
     )

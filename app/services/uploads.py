@@ -8,7 +8,11 @@ not stop the others."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
+import shutil
+import stat
 import unicodedata
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +25,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.filetypes import SUPPORTED_KINDS, SUPPORTED_LABEL, kind_for_filename
+from app.settings import settings
 
 FILE_FIELD = "files"
 # Plain (non-file) form fields are tiny; anything bigger is not from our form.
@@ -28,6 +33,9 @@ MAX_FIELD_BYTES = 64 * 1024
 # Room for the multipart boundaries and part headers on top of the files themselves.
 MULTIPART_OVERHEAD_BYTES = 1024 * 1024
 WRITE_CHUNK_BYTES = 1024 * 1024
+# While a file is written the free space is checked again after this many bytes; a file starts
+# only with this much room above the margin, so an upload cannot take the disk under it.
+DISK_CHECK_BYTES = 16 * 1024 * 1024
 
 
 class UploadRejected(Exception):
@@ -94,11 +102,20 @@ def stored_name_for(kind: str, display: str) -> str:
 class _Receiver:
     """python-multipart callbacks writing each file part to its own file."""
 
-    def __init__(self, dest_dir: Path, max_file_bytes: int, max_files: int, charset: str):
+    def __init__(
+        self,
+        dest_dir: Path,
+        max_file_bytes: int,
+        max_files: int,
+        charset: str,
+        min_free_bytes: int = 0,
+    ):
         self.dest_dir = dest_dir
         self.max_file_bytes = max_file_bytes
         self.max_files = max_files
         self.charset = charset
+        self.min_free_bytes = min_free_bytes  # the data disk keeps this much free
+        self._unchecked = 0  # bytes written since the free space was last checked
         self.files: list[ReceivedFile] = []
         self._n_file_parts = 0
         self._header_name = b""
@@ -156,6 +173,9 @@ class _Receiver:
             )
             return
         self.dest_dir.mkdir(parents=True, exist_ok=True)
+        received.refused = self._disk_full()
+        if received.refused:
+            return
         final = self.dest_dir / stored_name_for(received.kind, received.name)
         self._part_path = final.with_name(final.name + ".part")
         self._out = open(self._part_path, "xb")  # noqa: SIM115  (closed in on_part_end)
@@ -182,6 +202,14 @@ class _Receiver:
             received.size = 0
             self._mode = "skip"
             return
+        self._unchecked += end - start
+        if self._unchecked > DISK_CHECK_BYTES:
+            self._unchecked = 0
+            refused = self._disk_full()
+            if refused:
+                self._discard_current()
+                received.refused, received.size, self._mode = refused, 0, "skip"
+                return
         chunk = data[start:end]
         self._hash.update(chunk)
         self._out.write(chunk)
@@ -205,6 +233,17 @@ class _Receiver:
 
     def on_end(self) -> None:
         pass
+
+    def _disk_full(self) -> str | None:
+        """Why this file cannot be written, when the data disk is (nearly) at its margin."""
+        free = shutil.disk_usage(self.dest_dir).free
+        if free >= self.min_free_bytes + DISK_CHECK_BYTES:
+            return None
+        return (
+            f"Not saved: the disk that holds DocTune's data has only {human_size(free)} free, "
+            f"and DocTune keeps {human_size(self.min_free_bytes)} free so that this computer "
+            "keeps working. Free some space, then add the file again."
+        )
 
     def _discard_current(self) -> None:
         if self._out is not None:
@@ -241,17 +280,22 @@ async def receive_files(
     dest_dir: Path,
     max_file_bytes: int,
     max_files: int,
+    min_free_bytes: int | None = None,
 ) -> list[ReceivedFile]:
     """Parse a multipart/form-data body from `stream`, writing each "files" part under `dest_dir`.
 
     Returns one ReceivedFile per file part, in order. Raises UploadRejected (nothing left on
     disk) when the body is not a form upload, is malformed or cut off, or grows past
-    `max_request_bytes` (also the case for a body sent without a Content-Length)."""
+    `max_request_bytes` (also the case for a body sent without a Content-Length). A file that
+    would take the disk under `min_free_bytes` (default: DOCTUNE_MIN_FREE_DISK_MB) is refused
+    in words, and the files before it are kept."""
+    if min_free_bytes is None:
+        min_free_bytes = settings.min_free_disk_mb * 1024 * 1024
     ctype, params = parse_options_header(content_type or "")
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise UploadRejected("Please send the files with the upload form.", 415)
     charset = params.get(b"charset", b"utf-8").decode("latin-1")
-    receiver = _Receiver(dest_dir, max_file_bytes, max_files, charset)
+    receiver = _Receiver(dest_dir, max_file_bytes, max_files, charset, min_free_bytes)
     parser = MultipartParser(
         params[b"boundary"],
         {
@@ -306,19 +350,66 @@ def _too_large_message(max_file_bytes: int, max_files: int) -> str:
     )
 
 
-def receive_local_file(src: Path, *, dest_dir: Path, max_file_bytes: int) -> ReceivedFile:
+def receive_local_file(
+    src: Path,
+    *,
+    dest_dir: Path,
+    max_file_bytes: int,
+    expect: tuple[int, int] | None = None,
+    name: str | None = None,
+) -> ReceivedFile:
     """Copy a file from this machine's disk (CLI, watched folder) the way an upload is received:
-    type checked first, copied in chunks while counted and hashed, refused past the limit."""
-    received = ReceivedFile(original_name=src.name, kind=kind_for_filename(src.name))
+    type checked first, copied in chunks while counted and hashed, refused past the limit.
+
+    The file is opened without following a link (`O_NOFOLLOW`) and without waiting
+    (`O_NONBLOCK`: a pipe would block a plain open until someone writes to it), then must
+    be a regular file and, when `expect` gives (device, inode), the very file the caller
+    looked at: a name swapped for another file in between is not read. `name` is the name
+    the user knows it by (the link's, when `src` is where a link led)."""
+    shown = name or src.name
+    received = ReceivedFile(original_name=shown, kind=kind_for_filename(shown))
     if received.kind is None:
         received.refused = f"This type of file is not supported. DocTune reads {SUPPORTED_LABEL}."
         return received
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            received.refused = (
+                "It is a link, which DocTune does not follow here. Put the file itself there."
+            )
+        else:
+            received.refused = f"Could not read the file ({exc.strerror or exc})."
+            received.retryable = True
+        return received
+    with os.fdopen(fd, "rb") as inp:
+        st = os.fstat(inp.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            received.refused = (
+                "It is not a regular file (a pipe, device or socket), so DocTune does not read it."
+            )
+            return received
+        if expect is not None and (st.st_dev, st.st_ino) != expect:
+            received.refused = (
+                "The file was replaced by another one while DocTune was looking at it; it is "
+                "looked at again."
+            )
+            received.retryable = True
+            return received
+        return _copy_local(inp, received, dest_dir, max_file_bytes)
+
+
+def _copy_local(
+    inp: BinaryIO, received: ReceivedFile, dest_dir: Path, max_file_bytes: int
+) -> ReceivedFile:
+    """The copying half of `receive_local_file`, from a file already opened and checked."""
+    assert received.kind is not None
     dest_dir.mkdir(parents=True, exist_ok=True)
     final = dest_dir / stored_name_for(received.kind, received.name)
     part = final.with_name(final.name + ".part")
     digest = hashlib.sha256()
     try:
-        with open(src, "rb") as inp, open(part, "xb") as out:
+        with open(part, "xb") as out:
             while chunk := inp.read(WRITE_CHUNK_BYTES):
                 received.size += len(chunk)
                 if received.size > max_file_bytes:

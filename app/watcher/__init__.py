@@ -14,7 +14,8 @@ was not running costs a delay, never a file. The loop also runs auto-train
 (app/services/autotrain.py). Every step is guarded: a bad file or a database hiccup is
 logged and tried again later, and the watcher keeps running.
 
-The loop is `loop.Watcher`, its per-folder state `state`, the scan of one folder `scan`.
+The loop is `loop.Watcher`, its per-folder state `state`, the scan of one folder `scan`,
+the read of one file that held still `read`.
 """
 
 from app.watcher.loop import Watcher, main

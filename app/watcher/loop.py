@@ -20,14 +20,16 @@ from app.models import AutoTrain, Document, Project
 from app.services.autotrain import auto_train_step
 from app.services.inbox import (
     HEARTBEAT_S,
+    REFUSED_STATUS,
     InboxItem,
+    folder_refusal,
     inbox_folders,
     register_inbox_files,
     retire_missing,
 )
-from app.services.uploads import ReceivedFile, human_size, receive_local_file
 from app.settings import settings
-from app.watcher.scan import Scan, scan_folder, stat_seen
+from app.watcher.read import read_candidate
+from app.watcher.scan import Scan, scan_folder
 from app.watcher.state import Candidate, Events, Inbox, Known
 
 log = logging.getLogger("doctune.watcher")
@@ -108,7 +110,12 @@ class Watcher:
                 self._unwatch(inbox)
                 inbox = None
             if inbox is None:
-                self.inboxes[project_id] = Inbox(project_id, root)
+                inbox = self.inboxes[project_id] = Inbox(project_id, root)
+            # Checked on every read, not only when the folder was set: a link changed since,
+            # or a folder taken off DOCTUNE_ALLOWED_FOLDERS, stops the watching.
+            inbox.refused = folder_refusal(root, settings.inbox_dir, settings.allowed_folders)
+            if inbox.refused is not None:
+                continue
             if project_id in created:
                 try:
                     root.mkdir(parents=True, exist_ok=True)
@@ -119,6 +126,15 @@ class Watcher:
 
     def step(self, inbox: Inbox) -> None:
         now = time.monotonic()
+        if inbox.refused is not None:
+            self._unwatch(inbox)
+            inbox.candidates.clear()
+            inbox.missing_since.clear()
+            if inbox.refused not in inbox.logged_skips:
+                inbox.logged_skips.add(inbox.refused)
+                log.warning("inbox %s: not watched: %s", inbox.root, inbox.refused)
+            self._set_status(inbox, REFUSED_STATUS)
+            return
         try:
             st = os.stat(inbox.root)
             present = stat.S_ISDIR(st.st_mode)
@@ -181,7 +197,9 @@ class Watcher:
                 continue
             cand = inbox.candidates.get(rel)
             if cand is None or cand.sig != seen.sig:
-                inbox.candidates[rel] = Candidate(seen.sig, now)
+                inbox.candidates[rel] = Candidate(seen.sig, now, seen=seen)
+            elif cand.seen != seen:  # same size and times, but another file (or link target)
+                cand.seen = seen
         for rel in list(inbox.candidates):
             if rel not in found.files:
                 del inbox.candidates[rel]  # gone before it was complete
@@ -202,7 +220,7 @@ class Watcher:
             due = sorted(
                 rel
                 for rel, c in inbox.candidates.items()
-                if now - c.since >= self.stable_s and now >= c.not_before
+                if now - c.since >= self.stable_s and now >= c.not_before and c.seen is not None
             )
             if not due:
                 return
@@ -219,63 +237,8 @@ class Watcher:
                 return
 
     def _read(self, inbox: Inbox, rel: str) -> InboxItem | None:
-        """Copy one file that held still; None when it is not ready (changed, gone, locked)."""
-        cand = inbox.candidates[rel]
-        path = inbox.root / rel
-        try:
-            before = stat_seen(os.stat(path))
-        except FileNotFoundError:
-            del inbox.candidates[rel]
-            return None
-        except OSError as exc:
-            return self._failed_read(inbox, rel, cand, f"Could not read the file ({exc.strerror}).")
-        if before.sig != cand.sig:
-            inbox.candidates[rel] = Candidate(before.sig, time.monotonic())
-            return None
-        if before.size > settings.max_upload_bytes:
-            received = ReceivedFile(
-                original_name=path.name,
-                refused=(
-                    f"Too large: the limit is {human_size(settings.max_upload_bytes)} per file."
-                ),
-            )
-        else:
-            received = receive_local_file(
-                path, dest_dir=settings.documents_dir, max_file_bytes=settings.max_upload_bytes
-            )
-        try:
-            after = stat_seen(os.stat(path))
-        except OSError:
-            after = None
-        if after is None or after.sig != before.sig:  # written to while we read it
-            if received.path is not None:
-                received.path.unlink(missing_ok=True)
-            if after is None:
-                del inbox.candidates[rel]
-            else:
-                inbox.candidates[rel] = Candidate(after.sig, time.monotonic())
-            return None
-        if received.retryable:
-            return self._failed_read(inbox, rel, cand, received.refused or "")
-        return InboxItem(rel, received, before.size, before.mtime_ns)
-
-    def _failed_read(self, inbox: Inbox, rel: str, cand: Candidate, reason: str):
-        cand.attempts += 1
-        if cand.attempts < self.retries:
-            cand.not_before = time.monotonic() + self.stable_s * 2 ** (cand.attempts - 1)
-            log.info("inbox %s: %s not readable yet (%s); will try again", inbox.root, rel, reason)
-            return None
-        log.warning(
-            "inbox %s: giving up on %s after %d tries: %s", inbox.root, rel, cand.attempts, reason
-        )
-        size, mtime_ns = cand.sig[0], cand.sig[1]
-        received = ReceivedFile(
-            original_name=rel.rsplit("/", 1)[-1],
-            refused=(
-                f"{reason} Tried {cand.attempts} times; DocTune tries again when the file changes."
-            ),
-        )
-        return InboxItem(rel, received, size, mtime_ns)
+        """Copy one file that held still; None when it is not ready (see app/watcher/read.py)."""
+        return read_candidate(inbox, rel, retries=self.retries, stable_s=self.stable_s)
 
     def _record(self, inbox: Inbox, items: list[InboxItem]) -> None:
         try:

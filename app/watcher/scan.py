@@ -6,6 +6,7 @@ Pure standard library; app/watcher/loop.py decides what to do with what a scan f
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,15 +42,25 @@ def ignore_reason(name: str) -> str | None:
 
 @dataclass(frozen=True)
 class Seen:
-    """A file as one scan found it."""
+    """A file as one scan found it. `dev` and `ino` say which file it was: the watcher reads
+    it only if what it opens is that same file, so a name swapped for another file (or a
+    link re-pointed) after the scan is not read. `target` is where a link led, checked to be
+    inside the inbox; the watcher opens that, never the link."""
 
     size: int
     mtime_ns: int
     ctime_ns: int
+    dev: int = 0
+    ino: int = 0
+    target: str | None = None
 
     @property
     def sig(self) -> tuple[int, int, int]:
         return (self.size, self.mtime_ns, self.ctime_ns)
+
+    @property
+    def ident(self) -> tuple[int, int]:
+        return (self.dev, self.ino)
 
 
 @dataclass
@@ -59,8 +70,11 @@ class Scan:
     problems: list[str] = field(default_factory=list)  # sub-folders that could not be read
 
 
-def stat_seen(st: os.stat_result) -> Seen:
-    return Seen(st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+def stat_seen(st: os.stat_result, target: str | None = None) -> Seen:
+    return Seen(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino, target)
+
+
+NOT_REGULAR = "not a regular file (a pipe, device or socket): never opened"
 
 
 def _inside(path: str, root: str) -> bool:
@@ -70,10 +84,13 @@ def _inside(path: str, root: str) -> bool:
 def scan_folder(root: Path) -> Scan:
     """Every candidate file under `root`, without reading any. Hidden folders are skipped;
     a link is followed only to a file inside `root`, and a hard link only counts when all
-    its names are inside `root` (otherwise a file elsewhere would be read through it)."""
+    its names are inside `root` (otherwise a file elsewhere would be read through it).
+    Pipes, devices and sockets, and links to them, are skipped without being opened (a
+    pipe blocks whoever opens it until something writes to it)."""
     out = Scan()
     real_root = os.path.realpath(root)
     by_inode: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    links: list[tuple[str, tuple[int, int], int]] = []  # (rel, (dev, inode), link count)
     stack = [("", str(root))]
     while stack:
         rel_dir, dir_path = stack.pop()
@@ -98,12 +115,17 @@ def scan_folder(root: Path) -> Scan:
                     if not _inside(target, real_root):
                         out.skipped[rel] = "a link to something outside the inbox"
                         continue
-                    if os.path.isdir(target):
+                    st = os.stat(target, follow_symlinks=False)  # resolved: not a link
+                    if stat.S_ISDIR(st.st_mode):
                         out.skipped[rel] = "a link to a folder (its files are read where they are)"
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        out.skipped[rel] = f"a link to something {NOT_REGULAR}"
                         continue
                     if ignore_reason(name):
                         continue
-                    out.files[rel] = stat_seen(os.stat(entry.path))
+                    out.files[rel] = stat_seen(st, target)
+                    links.append((rel, (st.st_dev, st.st_ino), st.st_nlink))
                 elif entry.is_dir(follow_symlinks=False):
                     if not name.startswith("."):
                         stack.append((rel, entry.path))
@@ -115,12 +137,18 @@ def scan_folder(root: Path) -> Scan:
                     if st.st_nlink > 1:
                         by_inode.setdefault((st.st_dev, st.st_ino), []).append((rel, st.st_nlink))
                 else:
-                    out.skipped[rel] = "not a regular file"
+                    out.skipped[rel] = NOT_REGULAR
             except OSError:
                 continue  # gone between listing and looking: the next scan settles it
-    for names in by_inode.values():
+    outside = set()
+    for key, names in by_inode.items():
         if len(names) < names[0][1]:
+            outside.add(key)
             for rel, _ in names:
                 del out.files[rel]
                 out.skipped[rel] = "a hard link to a file outside the inbox"
+    for rel, key, nlink in links:  # a link to a file that also has a name elsewhere
+        if key in outside or (nlink > 1 and key not in by_inode):
+            del out.files[rel]
+            out.skipped[rel] = "a link to a file that is also outside the inbox (a hard link)"
     return out

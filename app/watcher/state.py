@@ -26,6 +26,9 @@ class Candidate:
     since: float  # monotonic time the signature was first seen
     attempts: int = 0  # failed reads so far
     not_before: float = 0.0  # retry no earlier than this
+    # The file as the last scan saw it (which file, where a link led); None: changed since,
+    # so not read before the next scan has looked at it again.
+    seen: Seen | None = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Inbox:
         self.root = root
         self.watch = None  # watchdog's handle while events are on
         self.root_id: tuple[int, int] | None = None  # (device, inode) the watch was set on
+        self.refused: str | None = None  # why the folder may not be watched, if it may not
         self.status: str | None = None
         self.status_written = 0.0
         self.candidates: dict[str, Candidate] = {}

@@ -17,6 +17,8 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
+from tests.app.web import local_client
+
 REDIS_DB = 15
 
 
@@ -102,9 +104,11 @@ def env(app_env: AppEnv) -> Iterator[AppEnv]:
     from app.settings import settings
 
     limits = (settings.max_upload_mb, settings.max_files_per_upload)
+    door = (settings.allowed_hosts, settings.max_request_mb, settings.min_free_disk_mb)
     app_env.redis.flushdb()
     yield app_env
     settings.max_upload_mb, settings.max_files_per_upload = limits
+    settings.allowed_hosts, settings.max_request_mb, settings.min_free_disk_mb = door
     with session_scope() as session:
         session.execute(delete(Job))
         session.execute(delete(Document))
@@ -118,5 +122,5 @@ def env(app_env: AppEnv) -> Iterator[AppEnv]:
 def client(env: AppEnv) -> Iterator[TestClient]:
     from app.main import create_app
 
-    with TestClient(create_app()) as test_client:
+    with local_client(create_app()) as test_client:  # the app's own address as Host and Origin
         yield test_client

@@ -6,12 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.db import SessionDep, session_scope
 from app.main import create_app
 from app.models import Project
+from tests.app.web import local_client, local_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def test_a_failed_commit_is_reported_to_the_client(env):
 
     with session_scope() as session:
         session.add(Project(name="Twin"))
-    with TestClient(app, raise_server_exceptions=False) as client:
+    with local_client(app, raise_server_exceptions=False) as client:
         r = client.post("/test-only/duplicate-project")
     assert r.status_code == 500
     assert "unexpected problem" in r.text and "Traceback" not in r.text
@@ -58,7 +58,7 @@ def test_posts_from_other_sites_are_refused(client):
     same = client.post(
         "/projects",
         data={"name": "Fine"},
-        headers={"Origin": "http://testserver"},
+        headers={"Origin": local_url()},
         follow_redirects=False,
     )
     assert same.status_code == 303

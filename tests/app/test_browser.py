@@ -6,12 +6,7 @@ job along) is played by writing the rows directly, as the worker would."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +14,8 @@ from sqlalchemy import select
 
 from app.db import session_scope
 from app.models import DocStatus, Document, Job, JobState
+
+from .web import serve_app
 
 pytestmark = pytest.mark.browser
 
@@ -34,32 +31,8 @@ def server(app_env):
     if _chromium() is None:
         pytest.skip("no Chromium on this machine (apt-get install chromium)")
     pytest.importorskip("playwright.sync_api")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    env.update(DOCTUNE_DATA_DIR=str(app_env.data_dir), REDIS_URL=app_env.redis_url)
-    env.pop("DATABASE_URL", None)
-    log = app_env.data_dir / "uvicorn-browser.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "app.main:app", "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        if proc.poll() is not None:
-            raise RuntimeError(log.read_text())
-        time.sleep(0.1)
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serve_app(app_env, "uvicorn-browser.log") as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
@@ -75,6 +48,13 @@ def page(server, env):
         yield page
         browser.close()
     assert errors == [], errors  # no JavaScript errors on any page
+
+
+def _wait_until_enabled(page, selector: str) -> None:
+    """Polls without eval: the page's CSP (no 'unsafe-eval') refuses wait_for_function's."""
+    from playwright.sync_api import expect
+
+    expect(page.locator(selector)).to_be_enabled()
 
 
 def test_upload_then_train_then_cancel(server, page, tmp_path):
@@ -110,7 +90,7 @@ def test_upload_then_train_then_cancel(server, page, tmp_path):
                 5,
                 "The warranty lasts 24 months.",
             )
-    page.wait_for_function("!document.querySelector('#train button[type=submit]').disabled")
+    _wait_until_enabled(page, "#train button[type=submit]")
     # The quick polling stops; a slow one stays for files arriving in the watched folder.
     assert page.locator("#documents").get_attribute("hx-trigger") == "every 5s"
 
@@ -129,7 +109,7 @@ def test_upload_then_train_then_cancel(server, page, tmp_path):
     with session_scope() as session:
         for doc in session.scalars(select(Document).where(Document.status == DocStatus.pending)):
             doc.status, doc.word_count = DocStatus.extracted, 2
-    page.wait_for_function("!document.querySelector('#train button[type=submit]').disabled")
+    _wait_until_enabled(page, "#train button[type=submit]")
 
     # A bad Advanced value is explained; a good one starts the job.
     page.click("text=Advanced settings")

@@ -40,7 +40,8 @@ def test_the_status_reports_a_missing_folder_and_a_stopped_watcher(client):
     assert "The folder watcher is not running" in fragment
 
 
-def test_the_settings_form_saves_and_explains_mistakes(client, tmp_path):
+def test_the_settings_form_saves_and_explains_mistakes(client, tmp_path, monkeypatch):
+    monkeypatch.setattr(settings, "allowed_folders", [tmp_path])  # DOCTUNE_ALLOWED_FOLDERS
     project_id = _project()
     r = client.post(
         f"/projects/{project_id}/inbox",
@@ -60,3 +61,33 @@ def test_the_settings_form_saves_and_explains_mistakes(client, tmp_path):
     assert r.status_code == 422
     assert "full path" in r.text and "number of minutes" in r.text
     assert 'value="relative"' in r.text  # what was typed stays in the form
+
+
+def test_a_folder_outside_the_allowed_ones_is_refused_on_the_form(client, tmp_path, monkeypatch):
+    allowed = tmp_path / "shared"
+    allowed.mkdir()
+    (allowed / "to-home").symlink_to(tmp_path)
+    monkeypatch.setattr(settings, "allowed_folders", [allowed])
+    project_id = _project()
+    page = client.get(f"/projects/{project_id}").text
+    assert f"inside {settings.inbox_dir} or inside {allowed}." in page  # the form's hint
+    for wanted in ("~", "/", "/etc", str(tmp_path), str(allowed / "to-home" / "docs")):
+        r = client.post(f"/projects/{project_id}/inbox", data={"inbox_path": wanted})
+        assert r.status_code == 422, wanted
+        assert "DocTune only watches folders inside" in r.text
+        assert "DOCTUNE_ALLOWED_FOLDERS" in r.text
+    assert f"(it leads to {tmp_path / 'docs'})" in r.text
+    with session_scope() as session:
+        assert session.get(Project, project_id).inbox_path is None
+    for fine in (allowed / "team", settings.inbox_dir / "elsewhere"):
+        r = client.post(f"/projects/{project_id}/inbox", data={"inbox_path": str(fine)},
+                        follow_redirects=False)
+        assert r.status_code == 303, r.text
+    # A folder set before it stopped qualifying (or written behind the form's back): the
+    # page says it is not watched, and why, whatever the watcher last reported.
+    with session_scope() as session:
+        project = session.get(Project, project_id)
+        project.inbox_path, project.inbox_status = "/etc", "ok"
+        project.inbox_checked_at = utcnow()
+    page = client.get(f"/projects/{project_id}").text
+    assert "This folder is not watched." in page and "Watching this folder." not in page

@@ -17,6 +17,7 @@ from app.models import DocStatus, Document, Project
 from app.services.documents import register_uploads
 from app.services.uploads import UploadRejected, receive_files
 from app.settings import settings
+from tests.app.web import local_url
 from tests.fixtures import docs
 
 from .factories import MINI_PDF, htmx, make_document, make_project, multipart
@@ -187,7 +188,11 @@ def _asgi_upload(
         "query_string": b"",
         "server": ("127.0.0.1", 8000),
         "client": ("127.0.0.1", 5000),
-        "headers": [(b"host", b"127.0.0.1:8000"), *headers],
+        "headers": [
+            (b"host", local_url().split("//")[1].encode()),
+            (b"origin", local_url().encode()),  # as the app's own page sends it
+            *headers,
+        ],
     }
     anyio.run(app, scope, receive, send)
     return status, body, read

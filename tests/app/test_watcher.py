@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import delete, select
 
 from app.db import session_scope
@@ -32,6 +31,7 @@ from app.models import DocStatus, Document, Job, Project
 from app.services.inbox import update_inbox_settings
 from app.services.projects import create_project
 from app.settings import settings
+from tests.app.web import local_client
 from tests.conftest import ROOT, wait_for
 
 STABLE_S = 0.7
@@ -43,6 +43,7 @@ class WatcherProc:
     proc: subprocess.Popen
     log: Path
     inbox_root: Path
+    allowed: Path  # DOCTUNE_ALLOWED_FOLDERS: a project may also name a folder in here
 
     def log_text(self) -> str:
         return self.log.read_text(encoding="utf-8", errors="replace")
@@ -51,8 +52,9 @@ class WatcherProc:
 @pytest.fixture(scope="module")
 def watcher(app_env, tmp_path_factory):
     root = tmp_path_factory.mktemp("inbox")
-    saved = settings.inbox_dir
-    settings.inbox_dir = root
+    allowed = tmp_path_factory.mktemp("allowed")
+    saved = settings.inbox_dir, settings.allowed_folders
+    settings.inbox_dir, settings.allowed_folders = root, [allowed]
     app_env.redis.flushdb()
     env = dict(os.environ)
     env.pop("DATABASE_URL", None)
@@ -61,6 +63,7 @@ def watcher(app_env, tmp_path_factory):
         DOCTUNE_DATA_DIR=str(app_env.data_dir),
         REDIS_URL=app_env.redis_url,
         DOCTUNE_INBOX_DIR=str(root),
+        DOCTUNE_ALLOWED_FOLDERS=str(allowed),
         DOCTUNE_WATCH_STABLE_S=str(STABLE_S),
         DOCTUNE_WATCH_RESCAN_S="3",
         DOCTUNE_WATCH_RETRIES="2",
@@ -73,7 +76,7 @@ def watcher(app_env, tmp_path_factory):
     log = tmp_path_factory.mktemp("watcher-log") / "watcher.log"
     with open(log, "wb") as logf:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logf, stderr=subprocess.STDOUT)
-    handle = WatcherProc(proc, log, root)
+    handle = WatcherProc(proc, log, root, allowed)
     try:
         wait_for(lambda: "watching" in handle.log_text(), 60, "watcher started", proc)
         yield handle
@@ -87,7 +90,7 @@ def watcher(app_env, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        settings.inbox_dir = saved
+        settings.inbox_dir, settings.allowed_folders = saved
         with session_scope() as session:
             session.execute(delete(Job))
             session.execute(delete(Document))
@@ -204,7 +207,7 @@ def test_deleting_a_file_retires_its_document(watcher):
     [doc] = docs(project_id)
     assert doc.retired_reason == "deleted"
     assert (settings.documents_dir / doc.stored_name).is_file()
-    with TestClient(_app()) as client:
+    with local_client(_app()) as client:
         page = client.get(f"/projects/{project_id}").text
     assert "1 file removed from the folder" in page and "old-price-list.txt" in page
 
@@ -300,7 +303,7 @@ def test_unicode_spaces_and_long_names_work(watcher):
     rows = wait_docs(project_id, 3)
     assert sorted(d.source_path for d in rows) == sorted(names)
     assert sorted(d.original_name for d in rows) == sorted(names)
-    with TestClient(_app()) as client:
+    with local_client(_app()) as client:
         page = client.get(f"/projects/{project_id}").text
     assert "Prüfbericht — 日本語 ñ.txt" in page
 
@@ -316,7 +319,8 @@ def test_unsupported_and_empty_files_are_listed_as_failed(watcher):
     assert errors["empty.txt"] == "The file is empty."
 
 
-def test_a_missing_inbox_is_reported_and_picked_up_again(watcher, tmp_path):
+def test_a_missing_inbox_is_reported_and_picked_up_again(watcher):
+    tmp_path = watcher.allowed / "usb-test"  # a folder elsewhere must be an allowed one
     usb = tmp_path / "usb"
     with session_scope() as session:
         project = create_project(session, "On a USB stick")
@@ -328,7 +332,7 @@ def test_a_missing_inbox_is_reported_and_picked_up_again(watcher, tmp_path):
             return session.get(Project, project_id).inbox_status
 
     wait_for(lambda: (status() or "").startswith("The folder"), 15, "reported missing")
-    with TestClient(_app()) as client:
+    with local_client(_app()) as client:
         page = client.get(f"/projects/{project_id}").text
     assert "is missing" in page and str(usb / "inbox") in page and "data-copy" in page
     (usb / "inbox").mkdir(parents=True)
@@ -355,7 +359,7 @@ def test_the_project_page_shows_the_folder_versions_and_last_seen(watcher):
     (folder / "faq.txt").write_text("Q: Opening hours? A: 8 to 6.")
     wait_docs(project_id, 2)
     wait_for(lambda: docs(project_id)[1].last_seen_at is not None, 10, "last seen")
-    with TestClient(_app()) as client:
+    with local_client(_app()) as client:
         page = client.get(f"/projects/{project_id}").text
     assert str(folder) in page and 'data-copy="#inbox-path"' in page
     assert "Watching this folder." in page
@@ -366,7 +370,7 @@ def test_the_project_page_shows_the_folder_versions_and_last_seen(watcher):
     with session_scope() as session:  # as if the worker had read the file already
         for doc in session.scalars(select(Document).where(Document.project_id == project_id)):
             doc.status = DocStatus.extracted
-    with TestClient(_app()) as client:
+    with local_client(_app()) as client:
         page = client.get(f"/projects/{project_id}").text
         poll = re.search(r'hx-get="([^"]*\?since=[^"]+)" hx-trigger="every 5s"', page).group(1)
         listing = {"HX-Request": "true", "HX-Target": "documents"}
@@ -437,3 +441,83 @@ def test_auto_train_waits_for_quiet_then_queues_exactly_one_job(watcher, app_env
         for m in app_env.redis.lrange("train", 0, -1)
     ]
     assert messages.count(job.id) == 1
+
+
+def test_pipes_devices_and_links_to_them_never_block_the_watcher(watcher, tmp_path):
+    """A FIFO blocks whoever opens it for reading until something writes to it: reached
+    directly, through a link, or in a sub-folder, it must not stop any project's files."""
+    pipes_id, pipes = new_project("Pipes")
+    os.mkfifo(pipes / "pipe.txt")
+    (pipes / "via-link.txt").symlink_to(pipes / "pipe.txt")
+    (pipes / "deeper").mkdir()
+    os.mkfifo(pipes / "deeper" / "notes.md")
+    os.mkfifo(tmp_path / "outside.txt")
+    (pipes / "outside-link.txt").symlink_to(tmp_path / "outside.txt")
+    time.sleep(SETTLE_S)  # the watcher has scanned the pipes (and would be stuck on them)
+    other_id, other = new_project("After the pipes")
+    (other / "hours.txt").write_text("The office opens at 8.")
+    (pipes / "real.txt").write_text("The canteen closes at 3.")
+    [doc] = wait_docs(other_id, 1, timeout=15)
+    assert doc.source_path == "hours.txt"
+    [mine] = wait_docs(pipes_id, 1, timeout=15)
+    time.sleep(SETTLE_S)
+    assert [d.source_path for d in docs(pipes_id)] == ["real.txt"] == [mine.source_path]
+    log = watcher.log_text()
+    assert "pipe.txt: not a regular file (a pipe, device or socket): never opened" in log
+    assert "deeper/notes.md: not a regular file" in log
+    assert "via-link.txt: a link to something not a regular file" in log
+    assert "outside-link.txt: a link to something outside the inbox" in log
+
+
+def test_a_folder_outside_the_allowed_ones_is_refused_in_words(watcher, tmp_path):
+    """Only folders in the inbox root or DOCTUNE_ALLOWED_FOLDERS: refused on the form (links
+    resolved), and refused again by the watcher, which stops watching a folder that no
+    longer qualifies and says so on the project page."""
+    from app.services.errors import InvalidInput
+    from app.services.inbox import REFUSED_STATUS
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "diary.txt").write_text("Private: not for the model.")
+    (watcher.allowed / "sneaky").symlink_to(home)
+    with session_scope() as session:
+        project = create_project(session, "Elsewhere")
+        project_id = project.id
+        for wanted in (Path.home(), Path("/"), Path("/etc"), home, watcher.inbox_root):
+            with pytest.raises(InvalidInput) as refused:
+                update_inbox_settings(session, project, {"inbox_path": str(wanted)})
+            assert str(wanted) in refused.value.errors["inbox_path"]
+        with pytest.raises(InvalidInput) as refused:
+            update_inbox_settings(session, project, {"inbox_path": str(watcher.allowed / "sneaky")})
+        message = refused.value.errors["inbox_path"]
+        assert f"(it leads to {home})" in message and "DOCTUNE_ALLOWED_FOLDERS" in message
+        assert project.inbox_path is None
+
+    # A folder that was allowed when set and is a link to the home folder now: not watched.
+    shared = watcher.allowed / "shared"
+    shared.mkdir()
+    (shared / "faq.txt").write_text("Q: Parking? A: Level -2.")
+    with session_scope() as session:
+        update_inbox_settings(session, session.get(Project, project_id), {"inbox_path": str(shared)})
+    wait_docs(project_id, 1)
+    shared.rename(tmp_path / "shared-was")
+    shared.symlink_to(home)
+
+    def status() -> str | None:
+        with session_scope() as session:
+            return session.get(Project, project_id).inbox_status
+
+    wait_for(lambda: status() == REFUSED_STATUS, 15, "the watcher refuses the folder")
+    (home / "letter.txt").write_text("Private too.")
+    time.sleep(SETTLE_S)
+    assert [d.source_path for d in docs(project_id)] == ["faq.txt"]
+    assert docs(project_id)[0].retired_at is None  # refusing a folder deletes nothing
+    with local_client(_app()) as client:
+        page = client.get(f"/projects/{project_id}").text
+    assert "This folder is not watched." in page and f"it leads to {home}" in page
+    assert "Watching this folder." not in page
+    assert f"{home}/diary.txt" not in watcher.log_text()
+
+    shared.unlink()  # the real folder back: watched again
+    (tmp_path / "shared-was").rename(shared)
+    wait_for(lambda: status() == "ok", 15, "watched again")

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import expect, sync_playwright
 
 from tests.conftest import CHROMIUM_ARGS
 from tests.fixtures import docs as fx
@@ -37,9 +37,8 @@ def test_documents_in_tuned_model_out(live_server, chromium_path, tmp_path):
         page.set_input_files("#file-input", [str(p) for p in files] + [str(broken)])
         page.wait_for_selector(".outcome")
         # The real worker reads every file; the list refreshes itself until none is pending.
-        page.wait_for_function(
-            "!document.querySelector('#train button[type=submit]').disabled", timeout=120_000
-        )
+        # (expect, not wait_for_function: the page's CSP refuses the eval that one polls with)
+        expect(page.locator("#train button[type=submit]")).to_be_enabled(timeout=120_000)
         docs_text = page.locator("#documents").inner_text()
         assert "broken.pdf" in docs_text and "damaged" in docs_text.lower()
         assert "words" in docs_text

@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from app.db import session_scope
 from app.models import Job, JobState, Project
 from app.services.inbox import update_inbox_settings
 from app.services.projects import create_project
+from tests.app.web import local_client
 from tests.conftest import ROOT, SESSION_DIR, wait_for
 from tests.fixtures import docs as fx
 
@@ -28,12 +28,17 @@ FACTS = [
 ]
 
 
-def test_files_in_the_folder_become_a_scored_model_version(celery_worker, tmp_path):
+def test_files_in_the_folder_become_a_scored_model_version(celery_worker, tmp_path, monkeypatch):
+    from app.settings import settings
+
     inbox_root = tmp_path / "inbox"
+    shared = tmp_path / "shared"  # a folder outside the inbox root, allowed for watching
+    monkeypatch.setattr(settings, "allowed_folders", [shared])  # for the form's check here
     env = dict(
         os.environ,
         PYTHONPATH=str(ROOT),
         DOCTUNE_INBOX_DIR=str(inbox_root),
+        DOCTUNE_ALLOWED_FOLDERS=str(shared),
         DOCTUNE_WATCH_STABLE_S="0.7",
         DOCTUNE_WATCH_RESCAN_S="3",
     )
@@ -52,11 +57,11 @@ def test_files_in_the_folder_become_a_scored_model_version(celery_worker, tmp_pa
             update_inbox_settings(
                 session,
                 project,
-                {"inbox_path": str(inbox_root / "support"), "auto_train": "changes"},
+                {"inbox_path": str(shared / "support"), "auto_train": "changes"},
             )
             project.auto_quiet_s = 2  # seconds, for the test (the page offers minutes)
             project_id = project.id
-        folder = inbox_root / "support"
+        folder = shared / "support"
         folder.mkdir(parents=True)
         fx.make_txt(folder / "facts.txt", FACTS * 5)
         fx.make_qa_csv(
@@ -85,7 +90,7 @@ def test_files_in_the_folder_become_a_scored_model_version(celery_worker, tmp_pa
             assert len(session.get(Project, project_id).jobs) == 1  # exactly one job
         from app.main import create_app
 
-        with TestClient(create_app()) as client:
+        with local_client(create_app()) as client:
             page = client.get(f"/projects/{project_id}").text
         row = page.split(f"Training job #{job.id}</a>")[1].split("</tr>")[0]
         assert "Model v1" in row and "current" in row and "Recall" in row

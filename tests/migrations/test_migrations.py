@@ -144,3 +144,35 @@ def test_sqlite_moves_results_out_of_scores_and_back(tmp_path):
 
 def test_postgres_moves_results_out_of_scores_and_back(postgres_engine):
     _scores_move_out_and_back(postgres_engine)
+
+
+# 0005: a document row from before the reader box counts as never attempted.
+def _read_attempts_added_and_removed(engine) -> None:
+    with engine.begin() as conn:
+        _upgrade(conn, "0004")
+        conn.execute(text("INSERT INTO projects (id, name, created_at) VALUES (1, 'p', :t)"),
+                     {"t": datetime(2026, 1, 1)})
+        conn.execute(text(
+            "INSERT INTO documents (id, project_id, original_name, stored_name, kind, size_bytes,"
+            " sha256, status, word_count, qa_count, preview, created_at, version) VALUES (7, 1,"
+            " 'a.txt', 'x.txt', 'txt', 3, 'abc', 'pending', 0, 0, '', :t, 1)"
+        ), {"t": datetime(2026, 1, 1)})  # fmt: skip
+    with engine.begin() as conn:
+        _upgrade(conn, "0005")
+    with engine.connect() as conn:
+        row = conn.execute(text(
+            "SELECT read_attempts, read_started_at, status FROM documents WHERE id = 7"
+        )).one()  # fmt: skip
+    assert tuple(row) == (0, None, "pending")
+    with engine.begin() as conn:
+        _downgrade(conn, "0004")
+    names = {c["name"] for c in inspect(engine).get_columns("documents")}
+    assert {"read_attempts", "read_started_at"}.isdisjoint(names) and "status" in names
+
+
+def test_sqlite_documents_get_read_attempts(tmp_path):
+    _read_attempts_added_and_removed(make_engine(f"sqlite:///{tmp_path / 'm.db'}"))
+
+
+def test_postgres_documents_get_read_attempts(postgres_engine):
+    _read_attempts_added_and_removed(postgres_engine)

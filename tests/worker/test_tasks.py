@@ -5,6 +5,7 @@ same services the routes call."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -91,7 +92,8 @@ def test_worker_extracts_uploads_and_marks_failures(tmp_path):
     docs = [wait_for(lambda d=d: (x := _doc(d)).status != DocStatus.pending and x, 60, "extract")
             for d in ids]
     pdf, docx, blank = docs
-    assert pdf.status == DocStatus.extracted and "NW-4471" in pdf.preview + " ".join(FACTS)
+    assert pdf.status == DocStatus.extracted, pdf.error
+    assert "NW-4471" in pdf.preview + " ".join(FACTS)
     assert pdf.word_count >= sum(len(f.split()) for f in FACTS) - 2
     assert docx.status == DocStatus.failed and "damaged" in docx.error
     assert blank.status == DocStatus.failed and "No text" in blank.error
@@ -159,3 +161,64 @@ def test_a_killed_worker_resumes_the_job_from_its_checkpoint(tmp_path, celery_wo
     assert job.attempts == 2
     steps = [s for s, _ in job.loss_history]
     assert steps == sorted(set(steps)) and steps[-1] == job.total_steps
+
+
+def test_the_worker_refuses_hostile_files_in_words_and_reads_on(tmp_path):
+    # The five files of issue 11's finding 4, uploaded as a user would: each is read in the
+    # reader box of the real worker, fails in words within seconds, and the honest file
+    # queued behind them is read as usual.
+    from tests.worker.extract.test_sandbox import HOSTILE
+
+    pid = _project("hostile")
+    paths = [write(tmp_path / name) for name, (write, _words) in HOSTILE.items()]
+    paths.append(fx.make_txt(tmp_path / "after.txt", FACTS))
+    started = time.monotonic()
+    ids = _add(pid, paths)
+    rows = [wait_for(lambda d=d: (x := _doc(d)).status != DocStatus.pending and x, 90, "read")
+            for d in ids]
+    assert time.monotonic() - started < 90
+    *refused, honest = rows
+    for row, (name, (_write, words)) in zip(refused, HOSTILE.items(), strict=True):
+        assert row.status == DocStatus.failed and words in row.error, name
+        assert row.read_attempts == 1
+    assert honest.status == DocStatus.extracted and "NW-4471" in Path(
+        settings.documents_dir / f"{honest.stored_name}.txt").read_text()
+
+
+def _pool_processes(worker: WorkerProcess) -> list[int]:
+    """The Celery pool's processes: children of the worker with its own command line."""
+    main = Path(f"/proc/{worker.proc.pid}/cmdline").read_bytes()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == worker.proc.pid and (
+                (entry / "cmdline").read_bytes() == main
+            ):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_a_file_whose_reading_kills_its_worker_fails_once_not_forever(tmp_path, celery_worker):
+    # Finding 5: the pool process reading a file dies (as the OOM killer would end it).
+    # acks_late + reject_on_worker_lost deliver the task again at once; the redelivery finds
+    # the attempt on the row and marks the file failed in words instead of reading it again.
+    from tests.fixtures import hostile
+    from worker.ingest import READ_BEFORE
+
+    pid = _project("killer")
+    (doc_id,) = _add(pid, [hostile.make_long_pdf(tmp_path / "slow.pdf", 1500)])
+    wait_for(lambda: _doc(doc_id).read_attempts == 1, 60, "the reading to start")
+    pool = _pool_processes(celery_worker)
+    assert len(pool) == 1
+    os.kill(pool[0], signal.SIGKILL)
+    row = wait_for(lambda: (x := _doc(doc_id)).status != DocStatus.pending and x, 60, "a verdict")
+    assert row.status == DocStatus.failed and row.error == READ_BEFORE
+    assert row.read_attempts == 1  # read once, never again
+    assert celery_worker.proc.poll() is None  # the worker itself lives on
+    # ...and reads the next file.
+    (next_id,) = _add(pid, [fx.make_txt(tmp_path / "next.txt", FACTS)])
+    assert wait_for(lambda: (x := _doc(next_id)).status != DocStatus.pending and x, 60,
+                    "the next file").status == DocStatus.extracted

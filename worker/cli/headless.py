@@ -50,7 +50,9 @@ def train_folder(folder: Path, overrides: dict[str, Any],
         session.info[INLINE] = tasks
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         project = create_project(session, f"{folder.resolve().name[:60]} (doctune train {stamp})")
-        received = [receive_local_file(p, dest_dir=settings.documents_dir,
+        # The user named this folder on their own machine: a link in it is followed (by
+        # resolving it here), unlike in a watched folder, and shown by its own name.
+        received = [receive_local_file(p.resolve(), name=p.name, dest_dir=settings.documents_dir,
                                        max_file_bytes=settings.max_upload_bytes)
                     for p in _files(folder)]
         outcomes = register_uploads(session, project, received)

@@ -19,6 +19,8 @@ MAX_TEXT_FILE_BYTES = 100 * 1024 * 1024  # raw size of txt/md/html/csv/jsonl we 
 MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # docx/pptx/xlsx: total size once unpacked
 MAX_ZIP_MEMBERS = 10_000  # docx/pptx/xlsx: files inside the zip
 MAX_SHEET_CELLS = 20_000_000  # xlsx: cells visited, empty ones included
+MAX_MARKUP_TAGS = 500_000  # epub/html: "<" in the markup of one file (BeautifulSoup: ~10 µs each)
+MAX_ENCODED_WORDS = 1_000  # eml/mbox: "=?" in one header (the parser is quadratic: 25 MB here)
 
 NO_TEXT = "No text found in this document."
 NO_TEXT_PDF = "No text found (is it a scanned PDF?)"
@@ -27,6 +29,9 @@ TOO_MUCH_TEXT = (
     "takes from one file. Split it into smaller files and upload them separately."
 )
 UNREADABLE = "Could not read the uploaded file; please upload it again."
+TOO_COMPLEX = (
+    "This file is too large or complicated to read; split it into smaller files."
+)
 
 # "a PDF", "a Word document"...: used in "The file is damaged or not really <label>".
 KIND_LABELS: dict[str, str] = {
@@ -49,6 +54,11 @@ KIND_LABELS: dict[str, str] = {
 class ExtractionError(Exception):
     """A file we can't use. `str(e)` is a plain-words reason meant for the person who uploaded
     it; technical detail goes to the log, never into the message."""
+
+
+class OutOfMemory(ExtractionError):
+    """A reader ran out of memory (MemoryError): in the reader box (`sandbox`) that means the
+    file needed more than the box's memory limit, and the message says so."""
 
 
 def damaged(kind: str) -> ExtractionError:
@@ -124,6 +134,17 @@ class ReadContext:
     budget: TextBudget
     extract_nested: Callable[[Path, str, int], Extracted]
     depth: int = 0
+
+
+def check_markup(data: bytes) -> None:
+    """Refuse markup with more tags than any real page or chapter (a million empty <p> is
+    3.7 KB deflated and costs BeautifulSoup 10 s and half a GB); counted before parsing."""
+    if data.count(b"<") > MAX_MARKUP_TAGS:
+        raise ExtractionError(
+            f"This file holds more than {MAX_MARKUP_TAGS:,} pieces of markup in one part, far "
+            "more than a real document; DocTune refuses it to protect the computer. If it is "
+            "genuine, split it into smaller files."
+        )
 
 
 def read_limited(path: Path) -> bytes:

@@ -22,10 +22,12 @@ from worker.extract.common import (
     MAX_TEXT_CHARS,
     NO_TEXT,
     NO_TEXT_PDF,
+    TOO_COMPLEX,
     TOO_MUCH_TEXT,
     UNREADABLE,
     Extracted,
     ExtractionError,
+    OutOfMemory,
     ReadContext,
     TextBudget,
     damaged,
@@ -89,9 +91,7 @@ def extract(path: Path, kind: str, depth: int = 0) -> Extracted:
         ) from exc
     except MemoryError as exc:
         log.warning("out of memory reading %s (%s)", path, kind)
-        raise ExtractionError(
-            "This file is too large or complicated to read; split it into smaller files."
-        ) from exc
+        raise OutOfMemory(TOO_COMPLEX) from exc
     except Exception as exc:  # any library failure means a file we can't open
         log.warning("failed to read %s as %s", path, kind, exc_info=True)
         raise damaged(kind) from exc

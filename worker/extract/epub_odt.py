@@ -19,6 +19,7 @@ from worker.extract.common import (
     ExtractionError,
     ReadContext,
     TextBudget,
+    check_markup,
     damaged,
     normalize_inline,
 )
@@ -68,7 +69,9 @@ def extract_epub(path: Path, ctx: ReadContext) -> Extracted:
             raise ExtractionError(DRM)
         blocks = []
         for name in chapters:
-            text = html_to_text(BeautifulSoup(zf.read(name), "lxml")).strip()
+            markup = zf.read(name)
+            check_markup(markup)
+            text = html_to_text(BeautifulSoup(markup, "lxml")).strip()
             if text:
                 blocks.append(budget.add(text))
     return Extracted(text="\n\n".join(blocks))

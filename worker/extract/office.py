@@ -1,8 +1,12 @@
 """Word, PowerPoint and Excel files (python-docx, python-pptx, openpyxl).
 
 All three are zip archives of XML. Before any library opens one we read the zip's central
-directory and refuse archives that would unpack to something enormous (a "zip bomb"); Python's
-zipfile never inflates a member past the size the directory declares, so this check holds.
+directory and refuse archives that would unpack to something enormous (a "zip bomb"), then
+inflate every member once ourselves, in bounded pieces, and refuse one that unpacks to more
+than the directory declares: Python's zipfile cuts a member at its declared size, but only
+after inflating all of it in one call, so a directory that understates a member is a zip bomb
+the declared sizes do not show. A workbook's sheets are scanned for row and column numbers
+beyond Excel's own limits before openpyxl walks them (it pads every missing row).
 The XML parsers these libraries use don't fetch external entities, and libxml2/expat refuse
 runaway entity expansion.
 """
@@ -12,7 +16,9 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import re
+import struct
 import zipfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,6 +70,54 @@ def check_zip(path: Path, kind: str) -> None:
             "far more than a normal document; DocTune refuses it to protect the computer. "
             "If it is genuine, split it into smaller files."
         )
+    try:
+        with open(path, "rb") as fh:
+            for member in members:
+                if _real_size(fh, member) != member.file_size:
+                    log.warning("refusing %s: %s is not the size its directory says", path,
+                                member.filename)
+                    raise ExtractionError(LYING_ZIP)
+    except (OSError, zlib.error, struct.error, ValueError) as exc:
+        log.warning("bad zip member in %s: %s", path, exc)
+        raise damaged(kind) from exc
+
+
+LYING_ZIP = (
+    "This file's table of contents gives false sizes for its parts (one unpacks to more than "
+    "it declares), as files built to crash programs do; DocTune refuses it to protect the "
+    "computer. If it is genuine, open it and save it again, then upload the copy."
+)
+_PIECE = 1 << 20  # bytes inflated per step
+
+
+def _real_size(fh, member: zipfile.ZipInfo) -> int:
+    """How many bytes `member` really inflates to, up to one more than it declares: its
+    compressed bytes (as the directory locates them, which is what zipfile reads) inflated in
+    pieces of at most _PIECE bytes, so a lying member costs no more memory than an honest one.
+    """
+    if member.flag_bits & 0x1:  # encrypted: the library refuses it; nothing to inflate here
+        return member.file_size
+    fh.seek(member.header_offset)
+    header = fh.read(30)
+    if len(header) < 30 or header[:4] != b"PK\x03\x04":
+        raise ValueError("no local header")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    fh.seek(member.header_offset + 30 + name_len + extra_len)
+    left, limit = member.compress_size, member.file_size + 1
+    if member.compress_type == zipfile.ZIP_STORED:
+        return min(left, limit)
+    if member.compress_type != zipfile.ZIP_DEFLATED:  # Office and EPUB writers use deflate
+        raise ValueError(f"compression method {member.compress_type}")
+    inflate, size = zlib.decompressobj(-15), 0
+    while left > 0 and size < limit and not inflate.eof:
+        data = fh.read(min(left, 1 << 16))
+        if not data:
+            break
+        left -= len(data)
+        while data and size < limit:
+            size += len(inflate.decompress(data, _PIECE))
+            data = inflate.unconsumed_tail
+    return size
 
 
 # --- Word ---------------------------------------------------------------------------------
@@ -241,6 +295,7 @@ def extract_xlsx(path: Path, ctx: ReadContext) -> Extracted:
     A sheet with a real title ("Prices", not "Sheet1") starts with that title."""
     budget = ctx.budget
     check_zip(path, "xlsx")
+    check_sheet_numbers(path)
     import openpyxl
 
     workbook = openpyxl.load_workbook(path, read_only=True, data_only=True)
@@ -255,6 +310,50 @@ def extract_xlsx(path: Path, ctx: ReadContext) -> Extracted:
     finally:
         workbook.close()
     return Extracted(text="\n\n".join(blocks))
+
+
+EXCEL_ROWS, EXCEL_COLUMNS = 1_048_576, 16_384  # Excel's own limits (XFD1048576)
+_ROW_NUMBER = re.compile(rb"<(?:[A-Za-z_][\w.-]*:)?row\s[^>]*?(?<=\s)r\s*=\s*[\"'](\d+)")
+_CELL_REF = re.compile(
+    rb"<(?:[A-Za-z_][\w.-]*:)?c\s[^>]*?(?<=\s)r\s*=\s*[\"']\$?([A-Za-z]+)\$?(\d+)"
+)
+BEYOND_EXCEL = (
+    "This workbook names a row or column beyond Excel's own limits (1,048,576 rows, 16,384 "
+    "columns), which no real spreadsheet does; DocTune refuses it to protect the computer. "
+    "Open it in Excel or LibreOffice, save it again and upload the copy."
+)
+
+
+def check_sheet_numbers(path: Path) -> None:
+    """Scan every worksheet's XML (streamed, in bounded pieces; check_zip has vouched for the
+    sizes) for row and cell numbers past Excel's limits: openpyxl walks every missing row up to
+    the highest one, so a 1.6 KB sheet naming row 10^12 would never finish."""
+    with zipfile.ZipFile(path) as zf:
+        for member in zf.infolist():
+            name = member.filename
+            if not (name.startswith("xl/worksheets/") and name.endswith(".xml")):
+                continue
+            tail = b""
+            with zf.open(member) as fh:
+                while piece := fh.read(_PIECE):
+                    data = tail + piece
+                    _check_numbers(data)
+                    tail = data[-256:]
+
+
+def _check_numbers(data: bytes) -> None:
+    for match in _ROW_NUMBER.finditer(data):
+        if len(match.group(1)) > 7 or int(match.group(1)) > EXCEL_ROWS:
+            raise ExtractionError(BEYOND_EXCEL)
+    for match in _CELL_REF.finditer(data):
+        letters, digits = match.group(1), match.group(2)
+        if len(digits) > 7 or int(digits) > EXCEL_ROWS or len(letters) > 3:
+            raise ExtractionError(BEYOND_EXCEL)
+        column = 0
+        for ch in letters.upper():
+            column = column * 26 + ch - 64
+        if column > EXCEL_COLUMNS:
+            raise ExtractionError(BEYOND_EXCEL)
 
 
 class _CellCounter:
@@ -280,7 +379,7 @@ def _sheet_blocks(sheet, budget: TextBudget, cells: _CellCounter) -> list[str]:
     lines: list[str] = []
     first = True
     for row in sheet.iter_rows(values_only=True):
-        cells.add(len(row))
+        cells.add(max(len(row), 1))  # an empty row costs a step too
         filled = [(i, v) for i, v in enumerate(row) if v is not None]
         values = [(i, text) for i, v in filled if (text := _cell_text(v))]
         if not values:

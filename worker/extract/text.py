@@ -12,7 +12,13 @@ import logging
 import re
 from pathlib import Path
 
-from worker.extract.common import Extracted, ExtractionError, ReadContext, read_limited
+from worker.extract.common import (
+    Extracted,
+    ExtractionError,
+    ReadContext,
+    check_markup,
+    read_limited,
+)
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +224,7 @@ def extract_html(path: Path, ctx: ReadContext) -> Extracted:
 
     data = read_limited(path)
     check_not_other_format(data)
+    check_markup(data)
     # Bytes, not str: BeautifulSoup honours the page's own <meta charset> first.
     text = html_to_text(BeautifulSoup(data, "lxml"))
     check_mostly_text(text)

@@ -1,0 +1,181 @@
+"""The reader box: every extraction runs in a child process with a memory limit
+(`RLIMIT_AS`), a CPU limit (`RLIMIT_CPU`) and a wall-clock timeout, so a hostile file costs
+at most those and the worker that asked survives whatever the reader does.
+
+The child is `python -m worker.extract.sandbox PATH KIND MEMORY CPU`, started with
+subprocess: a fresh interpreter that shares nothing with the Celery worker (its broker
+sockets, database connections and threads stay in the parent). It sets its own limits
+before it imports a reader or opens the file, and answers with one JSON object on a private
+copy of its stdout: the `Extracted`, or the refusal in words. JSON, not pickle: the parent
+never unpickles what a process that parsed hostile bytes wrote.
+
+Why not multiprocessing (fork or forkserver, which measure 3-30 ms a file here against
+about 90 ms for a fresh interpreter): a Celery prefork pool process is daemonic, and
+multiprocessing refuses to start children from one ("daemonic processes are not allowed to
+have children"); fork would also copy the worker's sockets and connections into the child,
+and every multiprocessing start method but fork re-imports the caller's main module.
+
+What a limit looks like from here: no answer, and the child killed by SIGXCPU (the CPU
+limit) or by us (the wall clock); or the child's own report of a MemoryError (the memory
+limit). Each becomes an ExtractionError saying which limit, in words. Any other death (a
+crash in a C library) says that the reader stopped; the file is not retried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from worker.extract.common import Extracted, ExtractionError, OutOfMemory
+
+log = logging.getLogger(__name__)
+
+# The folder that holds the `worker` package, for the child's import path.
+_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass(frozen=True)
+class ReaderLimits:
+    """What one file may cost: address space in bytes, CPU seconds, wall-clock seconds."""
+
+    memory_bytes: int
+    cpu_s: int
+    timeout_s: float
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 120 and seconds % 60 == 0:
+        return f"{seconds / 60:.0f} minutes"
+    if seconds == 60:
+        return "1 minute"
+    return "1 second" if seconds == 1 else f"{seconds:g} seconds"
+
+
+def _size(n_bytes: int) -> str:
+    if n_bytes >= 2**30:
+        return f"{n_bytes / 2**30:g} GB"
+    return f"{n_bytes / 2**20:.0f} MB"
+
+
+def too_slow(seconds: float) -> str:
+    return (
+        f"This file took longer than {_duration(seconds)} to read, so DocTune "
+        "stopped reading it. If it is a genuine document, split it into smaller files, or "
+        "save it again (or as PDF) and upload the copy."
+    )
+
+
+def too_big(limits: ReaderLimits) -> str:
+    return (
+        f"This file needed more than {_size(limits.memory_bytes)} of memory to read, so "
+        "DocTune stopped reading it. If it is a genuine document, split it into smaller "
+        "files, or save it again (or as PDF) and upload the copy."
+    )
+
+
+READER_CRASHED = (
+    "The reader for this file stopped unexpectedly (something in the file broke it), so "
+    "DocTune will not try it again. If the file opens on your computer, save it again (or as "
+    "PDF) and upload the copy."
+)
+
+
+def extract_boxed(path: Path, kind: str, limits: ReaderLimits) -> Extracted:
+    """`dispatch.extract(path, kind)` in a child process under `limits`. Raises
+    ExtractionError (and nothing else) for a file that can't be used, a limit included."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "worker.extract.sandbox", str(path), kind,
+               str(limits.memory_bytes), str(limits.cpu_s)]  # fmt: skip
+    started = time.monotonic()
+    child = subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
+        start_new_session=True,  # its own group: a kill reaches anything it started
+    )  # fmt: skip
+    timed_out = False
+    try:
+        answer, _ = child.communicate(timeout=limits.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill(child)
+        answer, _ = child.communicate()
+    except BaseException:
+        _kill(child)
+        child.wait()
+        raise
+    elapsed, code = time.monotonic() - started, child.returncode
+    if timed_out or code == -signal.SIGXCPU:
+        log.warning("reader of %s (%s) stopped after %.1f s (exit %s)", path, kind, elapsed, code)
+        raise ExtractionError(too_slow(limits.timeout_s if timed_out else limits.cpu_s))
+    try:
+        status, value = _parse(answer) if code == 0 else ("died", None)
+    except (ValueError, TypeError, KeyError):
+        status, value = "died", None
+    if status == "ok":
+        return value
+    if status == "memory":
+        log.warning("reader of %s (%s) ran out of memory after %.1f s", path, kind, elapsed)
+        raise ExtractionError(too_big(limits))
+    if status == "refused":
+        raise ExtractionError(value)
+    log.error("reader of %s (%s) died with exit code %s after %.1f s", path, kind, code, elapsed)
+    raise ExtractionError(READER_CRASHED)
+
+
+def _kill(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _parse(answer: bytes) -> tuple[str, object]:
+    """The child's JSON answer, checked for shape: ("ok", Extracted) or (status, message)."""
+    data = json.loads(answer.decode("utf-8", "surrogatepass"))  # as the child encoded it
+    status = data["status"]
+    if status == "ok":
+        pairs = [(str(q), str(a)) for q, a in data["qa_pairs"]]
+        warnings = [str(w) for w in data["warnings"]]
+        return status, Extracted(text=str(data["text"]), qa_pairs=pairs, warnings=warnings)
+    if status in ("memory", "refused"):
+        return status, str(data.get("message", ""))
+    raise ValueError(f"unknown status {status!r}")
+
+
+def _child(path: str, kind: str, memory_bytes: int, cpu_s: int) -> int:
+    """The child: limits first, then the reader; one JSON answer on the saved stdout (the
+    readers' own prints, if any, go to stderr)."""
+    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    # The soft limit sends SIGXCPU (which ends the process); the hard one is SIGKILL.
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        from worker.extract.dispatch import extract
+
+        try:
+            result = extract(Path(path), kind)
+            data = {"status": "ok", "text": result.text, "qa_pairs": result.qa_pairs,
+                    "warnings": result.warnings}  # fmt: skip
+        except OutOfMemory:
+            data = {"status": "memory"}
+        except ExtractionError as exc:
+            data = {"status": "refused", "message": str(exc)}
+        answer = json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    except MemoryError:  # tidying the text or encoding the answer: the same limit
+        answer = b'{"status": "memory"}'
+    with os.fdopen(answer_fd, "wb") as out:
+        out.write(answer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
