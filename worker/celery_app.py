@@ -6,7 +6,7 @@ import logging
 
 from celery.signals import worker_ready
 
-from app.contract.tasks import TRAIN_QUEUE
+from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE
 from app.queue import make_celery
 
 celery = make_celery("doctune-worker")
@@ -19,8 +19,13 @@ celery.conf.update(
 
 @worker_ready.connect
 def _reconcile_on_start(sender, **_kwargs) -> None:
-    """A train worker that starts resumes jobs left running by a crashed one."""
+    """A train worker that starts resumes jobs left running by a crashed one; an ingest
+    worker fails the documents a crashed one was reading."""
     queues = {q.name for q in sender.app.amqp.queues.consume_from.values()} if sender else set()
+    if INGEST_QUEUE in queues:
+        from worker.reconcile import fail_abandoned_reads
+
+        fail_abandoned_reads()
     if TRAIN_QUEUE in queues:
         from worker.reconcile import requeue_orphaned_jobs
 
