@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+from app.accounts.setup import setup_link as accounts_setup_link
 from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE
 from app.migrate import upgrade_to_head
 from app.redis_server import start_private_redis
@@ -33,6 +34,12 @@ def _address() -> str:
     elif ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{settings.port}"
+
+
+def setup_link() -> str | None:
+    """While no admin exists, a fresh one-time link that makes whoever opens it the admin
+    (as Jupyter prints its token link); None once there is one."""
+    return accounts_setup_link(_address())
 
 
 def child_env() -> dict[str, str]:
@@ -77,8 +84,11 @@ def run(with_web: bool = True) -> int:
             procs.append(("web", subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "app.main:app", "--host", settings.host,
                  "--port", str(settings.port)], env=env)))
-            print(f"\n  DocTune is running: {_address()}\n"
-                  "  Press Ctrl-C to stop.\n", flush=True)
+            print(f"\n  DocTune is running: {_address()}\n", flush=True)
+            if (link := setup_link()) is not None:
+                print("  No one has signed in yet. Open this one-time link to make yourself\n"
+                      f"  DocTune's admin:\n\n      {link}\n", flush=True)
+            print("  Press Ctrl-C to stop.\n", flush=True)
         while True:
             for name, p in procs:
                 if p.poll() is not None:

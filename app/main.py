@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from urllib.parse import urlencode
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
+from app.accounts.door import SignInRequired, door
 from app.front_door import FrontDoor, allowed_names
-from app.routes import api, pages
+from app.routes import accounts, api, pages
 from app.routes.templating import message_page
 from app.services.errors import InvalidInput, NotFound
 
@@ -58,10 +60,26 @@ def create_app() -> FastAPI:
         summary="Fine-tune a language model on your own documents, on your own machine.",
         docs_url=None,  # the interactive docs load scripts from a CDN; DocTune works offline
         redoc_url=None,
+        openapi_url=None,  # no schema for anonymous readers either (the door covers routes)
+        # On the app itself, so that every route, one added later included, goes through it
+        # (tests/app/test_accounts.py walks app.routes to check).
+        dependencies=[Depends(door)],
     )
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.include_router(pages.router)
     app.include_router(api.router)
+    app.include_router(accounts.router)
+
+    @app.exception_handler(SignInRequired)
+    async def _sign_in(request: Request, exc: SignInRequired) -> Response:
+        if _wants_json(request):
+            return JSONResponse({"detail": "Sign in, or send an API token (Authorization: "
+                                           "Bearer ...)."}, status_code=401,
+                                headers={"WWW-Authenticate": "Bearer"})
+        to = "/signin?" + urlencode({"next": request.url.path})
+        if request.headers.get("HX-Request") == "true":  # htmx: go to the page, not swap it
+            return Response(status_code=401, headers={"HX-Redirect": to})
+        return RedirectResponse(to, status_code=303)
 
     @app.exception_handler(NotFound)
     async def _not_found(request: Request, exc: NotFound) -> Response:

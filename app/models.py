@@ -199,3 +199,8 @@ class Job(Base):
     @property
     def job_state(self) -> JobState:
         return JobState(self.state)
+
+
+# The account tables live in app/accounts/models.py; imported here so that Base.metadata
+# (Alembic, the migration test) knows every table.
+from app.accounts import models as _accounts_models  # noqa: F401

@@ -30,6 +30,13 @@ class Settings(BaseSettings):
     # answers only to these and to the loopback names, on `port`: a request whose Host is any
     # other name (a DNS rebinding page, say) is refused. See app/front_door.py.
     allowed_hosts: str = ""
+    # Accounts (app/accounts/): a session unused this many days is signed out; sign-in is
+    # refused after `sign_in_attempts` failures in `sign_in_window_s`, per name and per
+    # client address; the setup link and invitation links are valid this many hours.
+    session_idle_days: int = Field(default=14, gt=0)
+    sign_in_attempts: int = Field(default=5, gt=0)
+    sign_in_window_s: float = Field(default=300.0, gt=0)
+    sign_in_link_hours: int = Field(default=72, gt=0)
     # The largest upload request (all its files together), in MB; other requests get 1 MB.
     max_request_mb: int = Field(default=2048, gt=0)
     # An upload stops before the data dir's disk has less than this much free (MB).

@@ -81,6 +81,9 @@ def render(
     status_code: int = 200,
 ) -> Response:
     """The whole page, or just `blocks` of it (in order) for an htmx request."""
+    visitor = getattr(request.state, "visitor", None)  # who app/accounts/door.py let in
+    context = {"visitor": visitor, "csrf_token": visitor.csrf_token if visitor else "",
+               **context}
     headers = {"Vary": "HX-Request, HX-Target"}
     if blocks and is_htmx(request):
         return templates.TemplateResponse(

@@ -99,6 +99,7 @@ def env(app_env: AppEnv) -> Iterator[AppEnv]:
     """A clean slate per test: no rows, no stored files, empty queues, default limits."""
     from sqlalchemy import delete
 
+    from app.accounts.models import User
     from app.db import session_scope
     from app.models import Document, Job, Project
     from app.settings import settings
@@ -113,6 +114,7 @@ def env(app_env: AppEnv) -> Iterator[AppEnv]:
         session.execute(delete(Job))
         session.execute(delete(Document))
         session.execute(delete(Project))
+        session.execute(delete(User))  # their sessions, tokens and links go with them
     for sub in ("documents", "jobs"):
         shutil.rmtree(app_env.data_dir / sub, ignore_errors=True)
     app_env.redis.flushdb()

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from app.db import session_scope
 from app.models import DocStatus, Document, Job, JobState
 
-from .web import serve_app
+from .web import add_session_cookie, serve_app
 
 pytestmark = pytest.mark.browser
 
@@ -42,6 +42,7 @@ def page(server, env):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
         page = browser.new_page()
+        add_session_cookie(page.context, server)  # signed in as an admin
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.set_default_timeout(8000)

@@ -16,7 +16,7 @@ from app.db import session_scope
 from app.main import create_app
 from app.models import Job, JobState, Project
 from app.settings import settings
-from tests.app.web import local_client, local_url
+from tests.app.web import local_client, local_url, signed_in_headers
 
 from .factories import htmx, make_project, multipart
 
@@ -37,8 +37,9 @@ def _projects() -> list[str]:
 
 
 def _bare_client(**kwargs) -> TestClient:
-    """A client on the app's own address that sends no Origin unless a test gives one."""
-    return TestClient(create_app(), base_url=local_url(), **kwargs)
+    """A client on the app's own address that sends no Origin unless a test gives one
+    (signed in as an admin: the accounts door comes after the front door)."""
+    return TestClient(create_app(), base_url=local_url(), headers=signed_in_headers(), **kwargs)
 
 
 def _assert_secure_headers(response) -> None:

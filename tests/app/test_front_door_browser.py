@@ -25,7 +25,7 @@ from app.models import Document, Job, JobState, Project
 from tests.conftest import CHROMIUM_ARGS
 
 from .factories import make_project
-from .web import serve_app
+from .web import add_session_cookie, serve_app
 
 pytestmark = pytest.mark.browser
 
@@ -108,6 +108,7 @@ def test_a_page_on_a_rebound_name_cannot_read_create_train_or_cancel(server, bro
     # The same script on DocTune's own address is allowed to read: the refusals above came
     # from the name, not from something else in the script or the browser.
     own = browser.new_page()
+    add_session_cookie(own.context, f"http://127.0.0.1:{server}")  # signed in, as its user is
     own.goto(f"http://127.0.0.1:{server}/")
     status, text = own.evaluate(
         "async () => { const r = await fetch('/api/projects'); return [r.status, await r.text()]; }"
@@ -164,6 +165,7 @@ def test_a_form_on_another_site_cannot_post_to_doctune(server, browser, env, att
 
 def test_the_apps_own_pages_work_under_the_csp(server, browser, env, tmp_path):
     page = browser.new_page()
+    add_session_cookie(page.context, f"http://127.0.0.1:{server}")  # signed in as an admin
     page.set_default_timeout(10_000)
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))

@@ -17,7 +17,7 @@ from app.models import DocStatus, Document, Project
 from app.services.documents import register_uploads
 from app.services.uploads import UploadRejected, receive_files
 from app.settings import settings
-from tests.app.web import local_url
+from tests.app.web import local_url, signed_in_headers
 from tests.fixtures import docs
 
 from .factories import MINI_PDF, htmx, make_document, make_project, multipart
@@ -191,6 +191,7 @@ def _asgi_upload(
         "headers": [
             (b"host", local_url().split("//")[1].encode()),
             (b"origin", local_url().encode()),  # as the app's own page sends it
+            *[(k.lower().encode(), v.encode()) for k, v in signed_in_headers().items()],
             *headers,
         ],
     }

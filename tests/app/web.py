@@ -25,9 +25,40 @@ def local_url() -> str:
     return f"http://127.0.0.1:{settings.port}"
 
 
-def local_client(app: FastAPI, **kwargs: Any) -> TestClient:
-    """A TestClient on the app's own address, sending its Origin with every request."""
-    headers = {"Origin": local_url(), **kwargs.pop("headers", {})}
+def sign_in_as(role: str = "admin", name: str | None = None) -> tuple[str, str]:
+    """A signed-in session for an account of `role` (made once, named after the role unless
+    `name` is given), created in the database the way /signin does: (cookie, CSRF token)."""
+    from sqlalchemy import select
+
+    from app.accounts import service
+    from app.accounts.models import SignInSession, User
+    from app.accounts.tokens import token_hash
+    from app.db import session_scope
+
+    name = name or f"test {role}"
+    with session_scope() as session:
+        user = session.scalar(select(User).where(User.name == name))
+        if user is None:
+            user = service.create_user(session, name, role)
+        token = service.start_session(session, user)
+        csrf = session.scalar(select(SignInSession.csrf_token)
+                              .where(SignInSession.token_hash == token_hash(token)))
+    return token, csrf
+
+
+def signed_in_headers(role: str = "admin", name: str | None = None) -> dict[str, str]:
+    """The session cookie and CSRF header of a signed-in `role` (see sign_in_as)."""
+    from app.accounts.door import COOKIE, CSRF_HEADER
+
+    token, csrf = sign_in_as(role, name)
+    return {"Cookie": f"{COOKIE}={token}", CSRF_HEADER: csrf}
+
+
+def local_client(app: FastAPI, *, role: str | None = "admin", **kwargs: Any) -> TestClient:
+    """A TestClient on the app's own address, sending its Origin with every request, signed
+    in as an account of `role` (an admin unless told; None: anonymous)."""
+    signed_in = signed_in_headers(role) if role else {}
+    headers = {"Origin": local_url(), **signed_in, **kwargs.pop("headers", {})}
     return TestClient(app, base_url=local_url(), headers=headers, **kwargs)
 
 
@@ -63,3 +94,14 @@ def serve_app(app_env: Any, log_name: str) -> Iterator[int]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def add_session_cookie(context: Any, base_url: str, role: str = "admin") -> str:
+    """Sign a Playwright browser context in as `role` (a session made as /signin makes one):
+    its cookie for `base_url`. Returns the session's CSRF token."""
+    from app.accounts.door import COOKIE
+
+    token, csrf = sign_in_as(role)
+    context.add_cookies([{"name": COOKIE, "value": token, "url": base_url,
+                          "httpOnly": True, "sameSite": "Lax"}])
+    return csrf

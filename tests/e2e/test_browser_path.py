@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect, sync_playwright
 
+from tests.app.web import add_session_cookie
 from tests.conftest import CHROMIUM_ARGS
 from tests.fixtures import docs as fx
 
@@ -24,6 +25,7 @@ def test_documents_in_tuned_model_out(live_server, chromium_path, tmp_path):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
         page = browser.new_page(accept_downloads=True)
+        add_session_cookie(page.context, live_server, role="member")  # signed in, a member
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.set_default_timeout(30_000)
