@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: up test test-fast lint bench clean-venv browser
+.PHONY: up test test-fast lint bench bench-hostile clean-venv browser
 
 $(VENV)/.app-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ lint: $(VENV)/.test-installed
 bench: $(VENV)/.test-installed
 	@model="$$($(PY) -c 'from app.settings import settings; from worker.training.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
 	  && $(PY) -m offload.bench --model-dir "$$model" $(BENCH_ARGS)
+
+# Issue 11's hostile corpus against the real app (README "Hostile files"): ~2 min on 2 cores.
+bench-hostile: $(VENV)/.test-installed
+	$(PY) -m scripts.bench_hostile $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

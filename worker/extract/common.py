@@ -20,6 +20,7 @@ MAX_UNZIPPED_BYTES = 500 * 1024 * 1024  # docx/pptx/xlsx: total size once unpack
 MAX_ZIP_MEMBERS = 10_000  # docx/pptx/xlsx: files inside the zip
 MAX_SHEET_CELLS = 20_000_000  # xlsx: cells visited, empty ones included
 MAX_MARKUP_TAGS = 500_000  # epub/html: "<" in the markup of one file (BeautifulSoup: ~10 µs each)
+MAX_XML_TAGS = 2_000_000  # docx/pptx/xlsx/odt/epub: "<" in one XML part (a 500-page report: ~1M)
 MAX_ENCODED_WORDS = 1_000  # eml/mbox: "=?" in one header (the parser is quadratic: 25 MB here)
 
 NO_TEXT = "No text found in this document."
@@ -140,11 +141,34 @@ def check_markup(data: bytes) -> None:
     """Refuse markup with more tags than any real page or chapter (a million empty <p> is
     3.7 KB deflated and costs BeautifulSoup 10 s and half a GB); counted before parsing."""
     if data.count(b"<") > MAX_MARKUP_TAGS:
-        raise ExtractionError(
-            f"This file holds more than {MAX_MARKUP_TAGS:,} pieces of markup in one part, far "
-            "more than a real document; DocTune refuses it to protect the computer. If it is "
-            "genuine, split it into smaller files."
-        )
+        raise ExtractionError(too_much_markup(MAX_MARKUP_TAGS))
+
+
+def too_much_markup(limit: int) -> str:
+    """The refusal for a part with more than `limit` tags, in words."""
+    return (
+        f"This file holds more than {limit:,} pieces of markup in one part, far more than a "
+        "real document; DocTune refuses it to protect the computer. If it is genuine, split "
+        "it into smaller files."
+    )
+
+
+TOO_DEEP = (
+    "This file nests its parts inside each other thousands of levels deep, as files built to "
+    "crash programs do; DocTune refuses it to protect the computer. If it is genuine, open it "
+    "and save it again, then upload the copy."
+)
+
+
+def nested_too_deep(exc: BaseException) -> bool:
+    """Whether a reader's failure (or what caused it) is a nesting limit: Python's recursion
+    limit, or libxml2's "Excessive depth" (256 levels unless told otherwise)."""
+    seen = 0
+    while exc is not None and seen < 20:
+        if isinstance(exc, RecursionError) or "Excessive depth" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def read_limited(path: Path) -> bytes:

@@ -23,6 +23,7 @@ from worker.extract.common import (
     NO_TEXT,
     NO_TEXT_PDF,
     TOO_COMPLEX,
+    TOO_DEEP,
     TOO_MUCH_TEXT,
     UNREADABLE,
     Extracted,
@@ -31,6 +32,7 @@ from worker.extract.common import (
     ReadContext,
     TextBudget,
     damaged,
+    nested_too_deep,
     normalize_text,
 )
 from worker.extract.epub_odt import extract_epub, extract_odt
@@ -93,6 +95,9 @@ def extract(path: Path, kind: str, depth: int = 0) -> Extracted:
         log.warning("out of memory reading %s (%s)", path, kind)
         raise OutOfMemory(TOO_COMPLEX) from exc
     except Exception as exc:  # any library failure means a file we can't open
+        if nested_too_deep(exc):
+            log.warning("refusing %s (%s): nested too deep", path, kind)
+            raise ExtractionError(TOO_DEEP) from exc
         log.warning("failed to read %s as %s", path, kind, exc_info=True)
         raise damaged(kind) from exc
     return _finish(raw, kind)

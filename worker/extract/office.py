@@ -25,6 +25,7 @@ from pathlib import Path
 from worker.extract.common import (
     MAX_SHEET_CELLS,
     MAX_UNZIPPED_BYTES,
+    MAX_XML_TAGS,
     MAX_ZIP_MEMBERS,
     Extracted,
     ExtractionError,
@@ -32,6 +33,7 @@ from worker.extract.common import (
     TextBudget,
     damaged,
     normalize_inline,
+    too_much_markup,
 )
 
 log = logging.getLogger(__name__)
@@ -70,13 +72,19 @@ def check_zip(path: Path, kind: str) -> None:
             "far more than a normal document; DocTune refuses it to protect the computer. "
             "If it is genuine, split it into smaller files."
         )
+    if any(m.flag_bits & 0x1 for m in members):
+        raise ExtractionError(ZIP_PASSWORD)
     try:
         with open(path, "rb") as fh:
             for member in members:
-                if _real_size(fh, member) != member.file_size:
+                size, tags = _real_size(fh, member)
+                if size != member.file_size:
                     log.warning("refusing %s: %s is not the size its directory says", path,
                                 member.filename)
                     raise ExtractionError(LYING_ZIP)
+                if tags > MAX_XML_TAGS and member.filename.lower().endswith(_XML_PARTS):
+                    log.warning("refusing %s: %s holds %d tags", path, member.filename, tags)
+                    raise ExtractionError(too_much_markup(MAX_XML_TAGS))
     except (OSError, zlib.error, struct.error, ValueError) as exc:
         log.warning("bad zip member in %s: %s", path, exc)
         raise damaged(kind) from exc
@@ -87,16 +95,20 @@ LYING_ZIP = (
     "it declares), as files built to crash programs do; DocTune refuses it to protect the "
     "computer. If it is genuine, open it and save it again, then upload the copy."
 )
+ZIP_PASSWORD = (
+    "This file is password-protected (its parts are encrypted), so its text cannot be read. "
+    "Remove the password, save it again and upload the copy."
+)
 _PIECE = 1 << 20  # bytes inflated per step
+_XML_PARTS = (".xml", ".rels", ".xhtml", ".html", ".htm")  # parts whose tags are counted
 
 
-def _real_size(fh, member: zipfile.ZipInfo) -> int:
-    """How many bytes `member` really inflates to, up to one more than it declares: its
-    compressed bytes (as the directory locates them, which is what zipfile reads) inflated in
-    pieces of at most _PIECE bytes, so a lying member costs no more memory than an honest one.
-    """
-    if member.flag_bits & 0x1:  # encrypted: the library refuses it; nothing to inflate here
-        return member.file_size
+def _real_size(fh, member: zipfile.ZipInfo) -> tuple[int, int]:
+    """How many bytes `member` really inflates to, up to one more than it declares, and how
+    many "<" (XML tags, counted as it inflates, so a part of three million empty paragraphs is
+    refused before a parser builds a tree of them): its compressed bytes (as the directory
+    locates them, which is what zipfile reads) inflated in pieces of at most _PIECE bytes, so a
+    lying member costs no more memory than an honest one."""
     fh.seek(member.header_offset)
     header = fh.read(30)
     if len(header) < 30 or header[:4] != b"PK\x03\x04":
@@ -105,19 +117,26 @@ def _real_size(fh, member: zipfile.ZipInfo) -> int:
     fh.seek(member.header_offset + 30 + name_len + extra_len)
     left, limit = member.compress_size, member.file_size + 1
     if member.compress_type == zipfile.ZIP_STORED:
-        return min(left, limit)
+        size, tags = 0, 0
+        while left > 0 and size < limit:
+            data = fh.read(min(left, limit - size, _PIECE))
+            if not data:
+                break
+            left, size, tags = left - len(data), size + len(data), tags + data.count(b"<")
+        return size, tags
     if member.compress_type != zipfile.ZIP_DEFLATED:  # Office and EPUB writers use deflate
         raise ValueError(f"compression method {member.compress_type}")
-    inflate, size = zlib.decompressobj(-15), 0
+    inflate, size, tags = zlib.decompressobj(-15), 0, 0
     while left > 0 and size < limit and not inflate.eof:
         data = fh.read(min(left, 1 << 16))
         if not data:
             break
         left -= len(data)
         while data and size < limit:
-            size += len(inflate.decompress(data, _PIECE))
+            piece = inflate.decompress(data, _PIECE)
+            size, tags = size + len(piece), tags + piece.count(b"<")
             data = inflate.unconsumed_tail
-    return size
+    return size, tags
 
 
 # --- Word ---------------------------------------------------------------------------------

@@ -236,7 +236,9 @@ def _records(text: str) -> tuple[list[tuple[int, object]], str]:
             continue
         try:
             records.append((line_no, json.loads(line)))
-        except (ValueError, RecursionError):
+        except RecursionError:  # valid JSON, maybe, but nested thousands of levels deep
+            records.append((line_no, _BadRecord("nests its values thousands of levels deep")))
+        except ValueError:
             records.append((line_no, _BadRecord("is not valid JSON")))
     return records, "Line"
 

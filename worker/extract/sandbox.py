@@ -30,6 +30,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,9 +89,24 @@ READER_CRASHED = (
 )
 
 
-def extract_boxed(path: Path, kind: str, limits: ReaderLimits) -> Extracted:
+@dataclass(frozen=True)
+class ReaderUsage:
+    """What one reader child used, as the kernel counted it when it was reaped: peak resident
+    memory (ru_maxrss), CPU seconds (user + system) and wall-clock seconds."""
+
+    kind: str
+    peak_rss_bytes: int
+    cpu_s: float
+    wall_s: float
+    outcome: str  # "ok", "refused", "memory", "slow", "died"
+
+
+def extract_boxed(
+    path: Path, kind: str, limits: ReaderLimits, usage: list[ReaderUsage] | None = None
+) -> Extracted:
     """`dispatch.extract(path, kind)` in a child process under `limits`. Raises
-    ExtractionError (and nothing else) for a file that can't be used, a limit included."""
+    ExtractionError (and nothing else) for a file that can't be used, a limit included. What
+    the child used is logged (one "reader usage" line) and appended to `usage` if given."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "worker.extract.sandbox", str(path), kind,
@@ -100,25 +116,25 @@ def extract_boxed(path: Path, kind: str, limits: ReaderLimits) -> Extracted:
         command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env,
         start_new_session=True,  # its own group: a kill reaches anything it started
     )  # fmt: skip
-    timed_out = False
     try:
-        answer, _ = child.communicate(timeout=limits.timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill(child)
-        answer, _ = child.communicate()
+        answer, timed_out, rusage = _wait(child, started + limits.timeout_s)
     except BaseException:
         _kill(child)
         child.wait()
         raise
     elapsed, code = time.monotonic() - started, child.returncode
-    if timed_out or code == -signal.SIGXCPU:
-        log.warning("reader of %s (%s) stopped after %.1f s (exit %s)", path, kind, elapsed, code)
-        raise ExtractionError(too_slow(limits.timeout_s if timed_out else limits.cpu_s))
+    slow = timed_out or code == -signal.SIGXCPU
     try:
-        status, value = _parse(answer) if code == 0 else ("died", None)
+        status, value = _parse(answer) if code == 0 and not slow else ("died", None)
     except (ValueError, TypeError, KeyError):
         status, value = "died", None
+    outcome = "slow" if slow else status
+    _record(ReaderUsage(kind, rusage.ru_maxrss * 1024 if rusage else 0,
+                        rusage.ru_utime + rusage.ru_stime if rusage else 0.0, elapsed, outcome),
+            path, usage)  # fmt: skip
+    if slow:
+        log.warning("reader of %s (%s) stopped after %.1f s (exit %s)", path, kind, elapsed, code)
+        raise ExtractionError(too_slow(limits.timeout_s if timed_out else limits.cpu_s))
     if status == "ok":
         return value
     if status == "memory":
@@ -128,6 +144,39 @@ def extract_boxed(path: Path, kind: str, limits: ReaderLimits) -> Extracted:
         raise ExtractionError(value)
     log.error("reader of %s (%s) died with exit code %s after %.1f s", path, kind, code, elapsed)
     raise ExtractionError(READER_CRASHED)
+
+
+def _wait(child: subprocess.Popen, deadline: float) -> tuple[bytes, bool, object]:
+    """The child's answer, whether the wall clock ran out (the child is then killed), and its
+    resource usage: reaped with wait4 (which reports it) instead of Popen.wait (which drops
+    it); its stdout is drained by a thread meanwhile so a long answer never blocks it."""
+    chunks: list[bytes] = []
+    drain = threading.Thread(target=lambda: chunks.append(child.stdout.read()), daemon=True)
+    drain.start()
+    timed_out, pause = False, 0.002
+    while True:
+        pid, status, rusage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() >= deadline:
+            timed_out = True
+            _kill(child)
+            pid, status, rusage = os.wait4(child.pid, 0)
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    drain.join(timeout=10)
+    child.stdout.close()
+    return b"".join(chunks), timed_out, rusage
+
+
+def _record(used: ReaderUsage, path: Path, usage: list[ReaderUsage] | None) -> None:
+    log.info("reader usage: kind=%s peak_rss_mb=%.1f cpu_s=%.2f wall_s=%.2f outcome=%s "
+             "file=%s", used.kind, used.peak_rss_bytes / 2**20, used.cpu_s, used.wall_s,
+             used.outcome, path.name)  # fmt: skip
+    if usage is not None:
+        usage.append(used)
 
 
 def _kill(child: subprocess.Popen) -> None:
