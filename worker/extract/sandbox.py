@@ -91,8 +91,10 @@ READER_CRASHED = (
 
 @dataclass(frozen=True)
 class ReaderUsage:
-    """What one reader child used, as the kernel counted it when it was reaped: peak resident
-    memory (ru_maxrss), CPU seconds (user + system) and wall-clock seconds."""
+    """What one reader child used: peak resident memory (the child's own VmHWM, which it
+    reports in its answer; for a child killed before answering, the kernel's ru_maxrss, an
+    upper bound: it also counts the parent's pages the child had between fork and exec),
+    CPU seconds (user + system) and wall-clock seconds."""
 
     kind: str
     peak_rss_bytes: int
@@ -129,7 +131,10 @@ def extract_boxed(
     except (ValueError, TypeError, KeyError):
         status, value = "died", None
     outcome = "slow" if slow else status
-    _record(ReaderUsage(kind, rusage.ru_maxrss * 1024 if rusage else 0,
+    peak = _reported_peak(answer) if code == 0 else None
+    if peak is None:
+        peak = rusage.ru_maxrss * 1024 if rusage else 0
+    _record(ReaderUsage(kind, peak,
                         rusage.ru_utime + rusage.ru_stime if rusage else 0.0, elapsed, outcome),
             path, usage)  # fmt: skip
     if slow:
@@ -186,6 +191,28 @@ def _kill(child: subprocess.Popen) -> None:
         pass
 
 
+def _reported_peak(answer: bytes) -> int | None:
+    """The peak resident memory the child reported in its answer, if it did."""
+    try:
+        peak = json.loads(answer.decode("utf-8", "surrogatepass")).get("peak_rss_bytes")
+    except (ValueError, AttributeError):
+        return None
+    return int(peak) if isinstance(peak, int) and peak >= 0 else None
+
+
+def _own_peak_rss() -> int | None:
+    """This process's peak resident memory since its exec (VmHWM of its own address space;
+    getrusage's ru_maxrss would include the parent's pages from before the exec)."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _parse(answer: bytes) -> tuple[str, object]:
     """The child's JSON answer, checked for shape: ("ok", Extracted) or (status, message)."""
     data = json.loads(answer.decode("utf-8", "surrogatepass"))  # as the child encoded it
@@ -218,9 +245,10 @@ def _child(path: str, kind: str, memory_bytes: int, cpu_s: int) -> int:
             data = {"status": "memory"}
         except ExtractionError as exc:
             data = {"status": "refused", "message": str(exc)}
+        data["peak_rss_bytes"] = _own_peak_rss()
         answer = json.dumps(data, ensure_ascii=False).encode("utf-8", "surrogatepass")
     except MemoryError:  # tidying the text or encoding the answer: the same limit
-        answer = b'{"status": "memory"}'
+        answer = b'{"status": "memory", "peak_rss_bytes": %d}' % (_own_peak_rss() or 0)
     with os.fdopen(answer_fd, "wb") as out:
         out.write(answer)
     return 0
