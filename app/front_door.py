@@ -8,9 +8,11 @@ the two agree, so comparing Origin with the request's own Host proves nothing. S
 1. **Host** must be a loopback name (127.0.0.1, localhost, [::1]), the bound address, or a name
    listed in DOCTUNE_ALLOWED_HOSTS, with the configured port or none. Otherwise 400.
 2. **Unsafe methods** (anything but GET, HEAD, OPTIONS) must carry an `Origin` from a fixed list
-   built from those names, the scheme and the configured port; when a browser leaves Origin out,
+   built from those names, the scheme DocTune serves (https once DOCTUNE_TLS_CERTFILE is set,
+   and then only https) and the configured port; when a browser leaves Origin out,
    `Sec-Fetch-Site: same-origin` stands in for it. Missing or foreign: 403. Scripts that call
-   the JSON API send `Origin: http://127.0.0.1:8000` (or the address they use).
+   the JSON API send `Origin: http://127.0.0.1:8000` (or the address they use), or an API
+   token (`Authorization: Bearer`, no cookie), which needs no Origin: OpenAI clients send none.
 3. **Request size**: a declared Content-Length over the cap is refused before the body is read,
    and a body without one is counted as it arrives (413). Only the upload route gets the large
    cap (DOCTUNE_MAX_REQUEST_MB); every other request is a small form or nothing.
@@ -33,14 +35,13 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.lan import LOOPBACK_NAMES, scheme
 from app.routes.templating import message_page
 from app.services.uploads import human_size
 from app.settings import settings
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 WILDCARD_BINDS = ("", "0.0.0.0", "::")
-SCHEME = "http"  # DocTune serves plain HTTP; TLS settings will add https here
 # Every request but an upload is a small form (or nothing): 1 MiB is plenty.
 SMALL_BODY_BYTES = 1024 * 1024
 LARGE_BODY_PATHS = re.compile(r"/projects/\d+/documents")
@@ -93,6 +94,17 @@ def _origin_key(value: str) -> tuple[str, str, int] | None:
     return parts.scheme, name.lower(), port or (443 if parts.scheme == "https" else 80)
 
 
+def _token_request(scope: Scope, headers: Headers) -> bool:
+    """An API call with a personal token (Authorization: Bearer) and no cookie: a browser
+    attaches neither to a cross-site request by itself (a script of another site would need
+    the token, and a CORS preflight DocTune never answers), so it needs no Origin; the
+    accounts door checks the token."""
+    path = scope.get("path", "")
+    return (path.startswith(("/api/", "/v1/"))
+            and headers.get("authorization", "").lower().startswith("bearer ")
+            and "cookie" not in headers)
+
+
 def _url_host(name: str) -> str:
     return f"[{name}]" if ":" in name else name
 
@@ -122,9 +134,10 @@ class FrontDoor:
         self.port = settings.port
         self.names = allowed_names()
         bound = settings.host.strip().lower().strip("[]")
-        self.origins = frozenset((SCHEME, name, self.port) for name in self.names)
+        served = scheme()  # the one scheme this server speaks: never the request's own
+        self.origins = frozenset((served, name, self.port) for name in self.names)
         home = bound if bound not in WILDCARD_BINDS else "127.0.0.1"
-        self.home = f"{SCHEME}://{_url_host(home)}:{self.port}"  # named in refusals
+        self.home = f"{served}://{_url_host(home)}:{self.port}"  # named in refusals
         self.large_body_bytes = settings.max_request_mb * 1024 * 1024
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -194,14 +207,15 @@ class FrontDoor:
         if scope["method"] not in SAFE_METHODS:
             origin = headers.get("origin")
             if origin is None:
-                if headers.get("sec-fetch-site") == "same-origin":
-                    return None
-                return 403, (
-                    "Changes are accepted only from DocTune's own pages, and this request did "
-                    "not say where it came from. Use the page in a browser; a script must send "
-                    f"the header “Origin: {self.home}”."
-                )
-            if _origin_key(origin) not in self.origins:
+                vouched = (headers.get("sec-fetch-site") == "same-origin"
+                           or _token_request(scope, headers))
+                if not vouched:
+                    return 403, (
+                        "Changes are accepted only from DocTune's own pages, and this request "
+                        "did not say where it came from. Use the page in a browser; a script "
+                        f"must send the header “Origin: {self.home}” or an API token."
+                    )
+            elif _origin_key(origin) not in self.origins:
                 return 403, (
                     f"Requests from other web sites are not accepted (this one came from "
                     f"“{origin[:100]}”). Make the change on DocTune's own page, at {self.home}/."
@@ -235,7 +249,11 @@ class FrontDoor:
         request = Request(scope, receive)
         path = scope.get("path", "")
         response: Response
-        if path.startswith("/api/") or path == "/healthz":
+        if path.startswith("/v1/"):  # OpenAI's error shape, which its clients read
+            error = {"message": message, "type": "invalid_request_error", "param": None,
+                     "code": None}
+            response = JSONResponse({"error": error}, status_code=status)
+        elif path.startswith("/api/") or path == "/healthz":
             response = JSONResponse({"detail": message}, status_code=status)
         else:
             title = {400: "Wrong address", 403: "Not allowed", 413: "Too large"}[status]

@@ -1,23 +1,36 @@
 """`doctune up`: everything the app needs, started in order and stopped together.
 
 Migrations -> embedded model prepared -> Redis (private one if REDIS_URL is unset) ->
-two Celery workers (ingest: quick extraction tasks; train: one job at a time, so jobs
-queue one after another) -> the folder watcher (app/watcher/) -> the web app.
+three Celery workers (ingest: quick extraction tasks; train: one job at a time, so jobs
+queue one after another; chat: one reply at a time, models kept loaded) -> the folder watcher (app/watcher/) -> the web app, whose
+address and one-time setup link are printed and, once it answers, opened in the browser.
 Ctrl-C (or SIGTERM) stops all of it."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
+import ssl
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+import webbrowser
+from collections.abc import Callable, Mapping
 
 from app.accounts.setup import setup_link as accounts_setup_link
-from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE
+from app.contract.tasks import CHAT_QUEUE, INGEST_QUEUE, TRAIN_QUEUE
+from app.lan import is_loopback_name, scheme
 from app.migrate import upgrade_to_head
 from app.redis_server import start_private_redis
 from app.settings import settings
+
+# How long the launcher waits for the web app to answer before it gives up opening a browser.
+ANSWER_WAIT_S = 60.0
+# Console browsers that `webbrowser` falls back to: one would take over this terminal.
+TEXT_BROWSERS = frozenset({"www-browser", "links", "elinks", "lynx", "w3m"})
 
 
 def _worker_cmd(queue: str, concurrency: int) -> list[str]:
@@ -33,7 +46,79 @@ def _address() -> str:
         host = "127.0.0.1"
     elif ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{settings.port}"
+    return f"{scheme()}://{host}:{settings.port}"
+
+
+def web_cmd() -> list[str]:
+    """uvicorn serving the app on DOCTUNE_HOST:DOCTUNE_PORT, with HTTPS when the TLS files
+    are set (`doctune web` passes the same to uvicorn.run)."""
+    cmd = [sys.executable, "-m", "uvicorn", "app.main:app", "--host", settings.host,
+           "--port", str(settings.port)]
+    if settings.tls:
+        cmd += ["--ssl-certfile", str(settings.tls_certfile),
+                "--ssl-keyfile", str(settings.tls_keyfile)]
+    return cmd
+
+
+def lan_warning() -> str | None:
+    """What the launcher prints when DocTune listens beyond this machine over plain http."""
+    if settings.tls or is_loopback_name(settings.host):
+        return None
+    return (
+        f"  Warning: DOCTUNE_HOST={settings.host} lets other computers reach DocTune, over\n"
+        "  plain http: passwords and documents cross the network unencrypted, readable by\n"
+        "  others on it. Set DOCTUNE_TLS_CERTFILE and DOCTUNE_TLS_KEYFILE for HTTPS\n"
+        "  (README, \"LAN mode\").\n"
+    )
+
+
+def answering(url: str, timeout_s: float = ANSWER_WAIT_S,
+              go_on: Callable[[], bool] = lambda: True) -> bool:
+    """Whether `url`/healthz answers 200 within `timeout_s` (polled while `go_on()`). No
+    proxy, and the TLS certificate is not checked: this is the launcher asking its own child
+    on this machine, whose certificate (self-signed, or for a LAN name) need not match."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=context))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with opener.open(url + "/healthz", timeout=2) as response:
+                if response.status == 200:
+                    return True
+        except (OSError, ValueError, http.client.HTTPException):  # not listening yet, a 503,
+            pass  # a TLS handshake cut short, plain http spoken to an https port...
+        if time.monotonic() >= deadline or not go_on():
+            return False
+        time.sleep(0.25)
+
+
+def browser_wanted(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
+    """DOCTUNE_OPEN_BROWSER, and a display to show a browser on (X11 or Wayland outside macOS
+    and Windows: a server over ssh has none)."""
+    if not settings.open_browser:
+        return False
+    if platform not in ("darwin", "win32", "cygwin"):
+        return bool(environ.get("DISPLAY") or environ.get("WAYLAND_DISPLAY"))
+    return True
+
+
+def open_in_browser(url: str) -> None:
+    """Open `url` in the user's browser where one can be; a failure says so in one line (the
+    link is printed anyway), and a text browser is never started in this terminal."""
+    try:
+        browser = webbrowser.get()
+        if os.path.basename(str(getattr(browser, "name", ""))) not in TEXT_BROWSERS:
+            browser.open(url)
+    except Exception as exc:  # noqa: BLE001  (no browser must never stop DocTune)
+        print(f"  (No browser opened: {exc}. Open the link above yourself.)", flush=True)
+
+
+def _open_once_answering(url: str, stopping: threading.Event) -> None:
+    if answering(_address(), go_on=lambda: not stopping.is_set()) and not stopping.is_set():
+        open_in_browser(url)
 
 
 def setup_link() -> str | None:
@@ -55,6 +140,7 @@ def run(with_web: bool = True) -> int:
     upgrade_to_head()
     env = child_env()
     procs: list[tuple[str, subprocess.Popen]] = []
+    stopping = threading.Event()
 
     def stop_all(*_args) -> None:
         for _name, p in reversed(procs):
@@ -77,18 +163,24 @@ def run(with_web: bool = True) -> int:
                                                        settings.private_redis_port)))
         procs.append(("ingest worker", subprocess.Popen(_worker_cmd(INGEST_QUEUE, 2), env=env)))
         procs.append(("train worker", subprocess.Popen(_worker_cmd(TRAIN_QUEUE, 1), env=env)))
+        # One reply at a time, the models kept loaded between replies.
+        procs.append(("chat worker", subprocess.Popen(
+            [*_worker_cmd(CHAT_QUEUE, 1), "--max-tasks-per-child", "100000"], env=env)))
         procs.append(("folder watcher", subprocess.Popen([sys.executable, "-m", "app.watcher"],
                                                          env=env)))
         print(f"Watched folders: {settings.inbox_dir} (one per project)", flush=True)
         if with_web:
-            procs.append(("web", subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "app.main:app", "--host", settings.host,
-                 "--port", str(settings.port)], env=env)))
+            procs.append(("web", subprocess.Popen(web_cmd(), env=env)))
             print(f"\n  DocTune is running: {_address()}\n", flush=True)
+            if (warning := lan_warning()) is not None:
+                print(warning, flush=True)
             if (link := setup_link()) is not None:
                 print("  No one has signed in yet. Open this one-time link to make yourself\n"
                       f"  DocTune's admin:\n\n      {link}\n", flush=True)
             print("  Press Ctrl-C to stop.\n", flush=True)
+            if browser_wanted():  # in the background: the loop below keeps watching
+                threading.Thread(target=_open_once_answering, daemon=True,
+                                 args=(link or _address() + "/", stopping)).start()
         while True:
             for name, p in procs:
                 if p.poll() is not None:
@@ -99,4 +191,5 @@ def run(with_web: bool = True) -> int:
         print("\nStopping DocTune...", flush=True)
         return 0
     finally:
+        stopping.set()
         stop_all()

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp
 
 from app.accounts.door import SignInRequired, door
 from app.front_door import FrontDoor, allowed_names
-from app.routes import accounts, api, pages
+from app.routes import accounts, admin, api, chat, openai_api, pages
 from app.routes.templating import message_page
 from app.services.errors import InvalidInput, NotFound
 
@@ -35,10 +35,20 @@ _TITLES = {
 
 
 def _wants_json(request: Request) -> bool:
-    return request.url.path.startswith("/api/") or request.url.path == "/healthz"
+    return request.url.path.startswith(("/api/", "/v1/")) or request.url.path == "/healthz"
+
+
+def _openai_error(status_code: int, message: str) -> JSONResponse:
+    """OpenAI's error shape, which its clients read the message from."""
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status_code, "server_error" if status_code >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": None}}, status_code=status_code)
 
 
 def _error(request: Request, status_code: int, message: str) -> Response:
+    if request.url.path.startswith("/v1/"):
+        return _openai_error(status_code, message)
     if _wants_json(request):
         return JSONResponse({"detail": message}, status_code=status_code)
     title = _TITLES.get(status_code, "Something went wrong")
@@ -69,13 +79,18 @@ def create_app() -> FastAPI:
     app.include_router(pages.router)
     app.include_router(api.router)
     app.include_router(accounts.router)
+    app.include_router(admin.router)
+    app.include_router(chat.router)
+    app.include_router(openai_api.router)
 
     @app.exception_handler(SignInRequired)
     async def _sign_in(request: Request, exc: SignInRequired) -> Response:
         if _wants_json(request):
-            return JSONResponse({"detail": "Sign in, or send an API token (Authorization: "
-                                           "Bearer ...)."}, status_code=401,
-                                headers={"WWW-Authenticate": "Bearer"})
+            words = "Sign in, or send an API token (Authorization: Bearer ...)."
+            response = (_openai_error(401, words) if request.url.path.startswith("/v1/")
+                        else JSONResponse({"detail": words}, status_code=401))
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
         to = "/signin?" + urlencode({"next": request.url.path})
         if request.headers.get("HX-Request") == "true":  # htmx: go to the page, not swap it
             return Response(status_code=401, headers={"HX-Redirect": to})

@@ -117,6 +117,9 @@ class Document(Base):
     word_count: Mapped[int] = mapped_column(Integer, default=0)
     qa_count: Mapped[int] = mapped_column(Integer, default=0)
     preview: Mapped[str] = mapped_column(Text, default="")
+    # What the reader skipped, in words ("Could not read the text on 2 of 9 pages."), shown
+    # beside the document; None when nothing was skipped.
+    read_notes: Mapped[list[str] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     extracted_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)
     # Reading it: how many times a worker started (a redelivered task finds 1 and marks the
@@ -201,6 +204,21 @@ class Job(Base):
         return JobState(self.state)
 
 
-# The account tables live in app/accounts/models.py; imported here so that Base.metadata
-# (Alembic, the migration test) knows every table.
+class AllowedFolder(Base):
+    """A folder an admin allowed watched folders in (besides the inbox root and
+    DOCTUNE_ALLOWED_FOLDERS); see app/services/allowed_folders.py."""
+
+    __tablename__ = "allowed_folders"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    path: Mapped[str] = mapped_column(String(1000), unique=True)
+    added_by: Mapped[str] = mapped_column(String(100))
+    added_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
+# The account tables live in app/accounts/models.py and the audit log in app/audit.py;
+# imported here so that Base.metadata (Alembic, the migration test) knows every table. The
+# chat's tables (app/chat/models.py, which imports this module's) are registered by
+# app/tables.py.
+from app import audit as _audit  # noqa: F401
 from app.accounts import models as _accounts_models  # noqa: F401

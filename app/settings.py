@@ -3,12 +3,11 @@ or a `.env` file; nothing else in the code reads os.environ for configuration.""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -24,8 +23,13 @@ class Settings(BaseSettings):
 
     host: str = "127.0.0.1"
     port: int = 8000
-    # Set to serve on a LAN address; refused when left empty there (see below).
-    secret_key: str = ""
+    # HTTPS (LAN mode): a certificate and its private key (PEM files), both or neither. Off
+    # loopback without them, passwords and documents cross the network readable by anyone
+    # on it, and every page says so (app/lan.py).
+    tls_certfile: Path | None = None
+    tls_keyfile: Path | None = Field(default=None, validate_default=True)  # checks the pair
+    # `doctune up` opens the setup link (or the app) in the browser once the app answers.
+    open_browser: bool = True
     # Names (or addresses) this machine is reached by on a LAN, comma-separated. DocTune
     # answers only to these and to the loopback names, on `port`: a request whose Host is any
     # other name (a DNS rebinding page, say) is refused. See app/front_door.py.
@@ -62,6 +66,11 @@ class Settings(BaseSettings):
     reader_cpu_s: int = Field(default=120, gt=0)
     reader_timeout_s: float = Field(default=120.0, gt=0)
 
+    # Chat (worker/chat/): the conversations' caches on the SSD may take this much disk (MB);
+    # unset: a tenth of the free disk when the chat worker starts. Least recently used first
+    # out.
+    chat_cache_mb: int | None = Field(default=None, ge=0)
+
     # The watched folder: one sub-folder per project (a project may name another folder).
     inbox_dir: Path = Field(default=Path.home() / "DocTune" / "inbox")
     # Other folders a project's watched folder may be in (or under), separated like PATH
@@ -83,18 +92,35 @@ class Settings(BaseSettings):
             return [Path(p).expanduser() for p in value.split(os.pathsep) if p.strip()]
         return value
 
-    @model_validator(mode="after")
-    def _refuse_unsafe(self) -> Settings:
-        try:
-            loopback = ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            loopback = self.host == "localhost"
-        if not loopback and not self.secret_key:
+    @field_validator("tls_certfile", "tls_keyfile", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None  # DOCTUNE_TLS_CERTFILE= in a .env file means "no TLS"
+        return Path(value).expanduser() if isinstance(value, str) else value
+
+    @field_validator("tls_certfile", "tls_keyfile")
+    @classmethod
+    def _check_tls_file(cls, path: Path | None, info: ValidationInfo) -> Path | None:
+        """Both or neither, and readable now: a typo stops the start, not the first visit.
+        (Field validators, not a model one, so that an error shows this path and not the
+        other settings, REDIS_URL's password among them.)"""
+        name = f"DOCTUNE_{(info.field_name or '').upper()}"
+        pair = info.field_name == "tls_keyfile" and "tls_certfile" in info.data
+        if pair and (info.data["tls_certfile"] is None) != (path is None):
+            given, missing = (("DOCTUNE_TLS_CERTFILE", name) if path is None
+                              else (name, "DOCTUNE_TLS_CERTFILE"))
             raise ValueError(
-                f"DOCTUNE_HOST={self.host} serves DocTune beyond this machine; "
-                "set DOCTUNE_SECRET_KEY as well, or keep the default 127.0.0.1."
+                f"{given} is set but {missing} is not: HTTPS needs both the certificate "
+                "and its private key (or neither, for plain http)."
             )
-        return self
+        if path is not None:
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise ValueError(f"{name}={path} cannot be read: {exc.strerror or exc}.") from None
+        return path
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -113,6 +139,11 @@ class Settings(BaseSettings):
         from app.redis_server import private_redis_url
 
         return private_redis_url(self.redis_dir, self.private_redis_port)
+
+    @property
+    def tls(self) -> bool:
+        """Whether DocTune serves HTTPS (both TLS files set; checked at start)."""
+        return self.tls_certfile is not None and self.tls_keyfile is not None
 
     @property
     def max_upload_bytes(self) -> int:
@@ -139,6 +170,11 @@ class Settings(BaseSettings):
     @property
     def redis_dir(self) -> Path:
         return self.data_dir / "redis"
+
+    @property
+    def chat_cache_dir(self) -> Path:
+        """The conversations' KV caches (offload/kvcache), one folder per model fingerprint."""
+        return self.data_dir / "kvcache"
 
     @property
     def swap_dir(self) -> Path:

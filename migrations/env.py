@@ -2,7 +2,7 @@
 
 from alembic import context
 
-from app import models  # noqa: F401  (registers the tables on Base.metadata)
+from app import tables  # noqa: F401  (registers every table on Base.metadata)
 from app.db import Base, get_engine
 
 target_metadata = Base.metadata

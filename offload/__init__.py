@@ -9,6 +9,7 @@ A library of its own: it imports torch and the standard library only. The front 
     engine.save_checkpoint("/ssd/ckpt")
 
 Internals live in `_private` modules; see engine.py for the design and where each part is.
+Chat KV caches on the SSD: `offload.kvcache` (KVStore, fingerprint).
 """
 
 from ._config import AdamWConfig, OffloadConfig
@@ -22,9 +23,11 @@ from ._memory import OffloadBudgetError
 from ._partition import find_blocks, is_unloaded, release_parameters
 from ._plan import Plan, activation_bytes, plan
 from .engine import OffloadEngine
+from .kvcache import KVStore
 
 __all__ = [
     "AdamWConfig",
+    "KVStore",
     "OffloadBudgetError",
     "OffloadConfig",
     "OffloadDiskFullError",

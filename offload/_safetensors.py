@@ -28,6 +28,13 @@ _DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}  # torch dtype -> safetensors name
+HEADER_LIMIT = 100_000_000  # bytes: the safetensors library refuses larger headers too
+
+
+def dtype_of(name: str) -> torch.dtype | None:
+    """The torch dtype of a safetensors dtype name (None: one this module does not know)."""
+    return _DTYPES.get(name)
 
 
 @dataclass
@@ -39,11 +46,37 @@ class TensorExtent:
     nbytes: int
 
 
-def read_index(path: str) -> dict[str, TensorExtent]:
+def header_length(first8: bytes) -> int:
+    """The header length a file's first 8 bytes announce (ValueError past HEADER_LIMIT)."""
+    (n,) = struct.unpack("<Q", bytes(first8[:8]))
+    if n > HEADER_LIMIT:
+        raise ValueError(f"a safetensors header of {n} bytes")
+    return n
+
+
+def decode_header(raw: bytes | memoryview) -> tuple[dict, int]:
+    """The JSON header of a .safetensors file from its first bytes (at least 8 + the header
+    length), and the offset where its data begins. ValueError when it is not one."""
+    if len(raw) < 8:
+        raise ValueError("shorter than a safetensors header")
+    n = header_length(raw)
+    if len(raw) < 8 + n:
+        raise ValueError("the header runs past the bytes given")
+    header = json.loads(bytes(raw[8 : 8 + n]))
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")  # noqa: TRY004 (bad data)
+    return header, 8 + n
+
+
+def read_header(path: str) -> tuple[dict, int]:
+    """A .safetensors file's JSON header and the file offset where its data begins."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    base = 8 + n
+        first = f.read(8)
+        return decode_header(first + f.read(header_length(first)))
+
+
+def read_index(path: str) -> dict[str, TensorExtent]:
+    header, base = read_header(path)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

@@ -112,10 +112,12 @@ def wait_for(predicate, timeout_s: float, what: str, proc: subprocess.Popen | No
 
 
 class WorkerProcess:
-    """A real Celery worker process (both queues, one task at a time)."""
+    """A real Celery worker process (ingest and train, or the queues given; one task at a
+    time)."""
 
-    def __init__(self, name: str = "test"):
+    def __init__(self, name: str = "test", queues: str = "ingest,train"):
         self.name = name
+        self.queues = queues
         self.log = SESSION_DIR / f"worker-{name}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -123,7 +125,7 @@ class WorkerProcess:
         logf = open(self.log, "ab")  # noqa: SIM115  (lives as long as the process)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-             "-Q", "ingest,train", "-c", "1", "-n", f"{self.name}@localhost",
+             "-Q", self.queues, "-c", "1", "-n", f"{self.name}@localhost",
              "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
             cwd=ROOT, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -147,6 +149,14 @@ class WorkerProcess:
 @pytest.fixture(scope="session")
 def celery_worker(redis_url, migrated_db, tiny_base_model):
     worker = WorkerProcess("session").start()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_worker(redis_url, migrated_db, tiny_base_model):
+    """The chat worker as the launcher starts it: the "chat" queue, one reply at a time."""
+    worker = WorkerProcess("chat", queues="chat").start()
     yield worker
     worker.stop()
 

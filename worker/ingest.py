@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
+from app.contract.documents import qa_file, text_file
 from app.db import session_scope, utcnow
 from app.models import DocStatus, Document
 from app.settings import settings
@@ -38,6 +39,19 @@ READ_BEFORE = (
 )
 
 
+
+MAX_NOTES = 20
+MAX_NOTE_CHARS = 300
+
+
+def _notes(warnings: list[str]) -> list[str] | None:
+    """The reader's notes as stored: at most MAX_NOTES, each cut to MAX_NOTE_CHARS."""
+    notes = [w if len(w) <= MAX_NOTE_CHARS else w[: MAX_NOTE_CHARS - 1] + "…"
+             for w in warnings[:MAX_NOTES]]
+    if len(warnings) > MAX_NOTES:
+        notes.append(f"… and {len(warnings) - MAX_NOTES:,} more notes like these.")
+    return notes or None
+
 def reader_limits() -> ReaderLimits:
     """The reader box's limits, from settings."""
     return ReaderLimits(
@@ -48,11 +62,11 @@ def reader_limits() -> ReaderLimits:
 
 
 def text_path(stored_name: str) -> Path:
-    return settings.documents_dir / f"{stored_name}.txt"
+    return text_file(settings.documents_dir, stored_name)
 
 
 def qa_path(stored_name: str) -> Path:
-    return settings.documents_dir / f"{stored_name}.qa.json"
+    return qa_file(settings.documents_dir, stored_name)
 
 
 def ingest_document(doc_id: int) -> str | None:
@@ -80,6 +94,7 @@ def ingest_document(doc_id: int) -> str | None:
             "word_count": result.word_count,
             "qa_count": len(result.qa_pairs),
             "preview": result.preview(),
+            "read_notes": _notes(result.warnings),
         }
     except ExtractionError as exc:
         status, error = DocStatus.failed, str(exc)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.contract.tasks import INGEST_TASK, TRAIN_TASK
+from app.contract.tasks import CHAT_FORGET_TASK, CHAT_TASK, INGEST_TASK, TRAIN_TASK
 from worker.celery_app import celery
 
 
@@ -19,3 +19,19 @@ def train_job(self, job_id: int) -> str | None:
     from worker.jobs.run import run_job
 
     return run_job(job_id, node=self.request.hostname)
+
+
+@celery.task(name=CHAT_TASK)
+def chat_reply(message_id: int) -> str | None:
+    """Answer one chat question with the models this worker keeps loaded (worker/chat/)."""
+    from worker.chat.reply import answer
+
+    return answer(message_id)
+
+
+@celery.task(name=CHAT_FORGET_TASK)
+def chat_forget(job_id: int | None, token_ids: list[int]) -> int:
+    """Delete a deleted conversation's SSD cache."""
+    from worker.chat.reply import forget
+
+    return forget(job_id, token_ids)

@@ -1,7 +1,7 @@
 """The dependency on every route (attached to the app itself, so a new route cannot forget
 it): who is asking, whether their role may do this, and the CSRF token of unsafe requests.
 
-- A page or form: a signed-in session cookie. An `/api/` request: the cookie, or
+- A page or form: a signed-in session cookie. An `/api/` or `/v1/` request: the cookie, or
   `Authorization: Bearer <API token>` (no CSRF token: a token is not sent by a browser
   on its own). Anonymous: pages redirect to /signin, the API answers 401.
 - Roles: a viewer only reads (GET); a member does everything on projects; only an admin
@@ -30,6 +30,9 @@ EXEMPT_PATHS = frozenset({"/signin", "/setup", "/healthz"})
 # Every signed-in role may use these, unsafe methods included.
 OWN_ACCOUNT_PREFIXES = ("/account", "/signout")
 ADMIN_PREFIX = "/admin"
+# Where an API token (Authorization: Bearer) stands in for a session: the JSON API and the
+# OpenAI-compatible API.
+TOKEN_PREFIXES = ("/api/", "/v1/")
 
 
 class SignInRequired(Exception):
@@ -69,7 +72,7 @@ async def door(request: Request) -> None:
     path = route_path(request)
     if path in EXEMPT_PATHS:
         return
-    bearer = _bearer(request) if path.startswith("/api/") else None
+    bearer = _bearer(request) if path.startswith(TOKEN_PREFIXES) else None
     visitor = await run_in_threadpool(_identify, request.cookies.get(COOKIE), bearer)
     if visitor is None:
         raise SignInRequired()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 INGEST_QUEUE = "ingest"
 TRAIN_QUEUE = "train"
+CHAT_QUEUE = "chat"  # one reply at a time, the models kept loaded (worker/chat/)
 
 INGEST_TASK = "doctune.ingest_document"  # (document id)
 TRAIN_TASK = "doctune.train_job"  # (job id)
+CHAT_TASK = "doctune.chat_reply"  # (chat message id)
+CHAT_FORGET_TASK = "doctune.chat_forget"  # (job id or None, the conversation's token ids)
 
-ROUTES = {INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE}}
+ROUTES = {INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE},
+          CHAT_TASK: {"queue": CHAT_QUEUE}, CHAT_FORGET_TASK: {"queue": CHAT_QUEUE}}

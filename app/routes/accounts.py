@@ -13,6 +13,7 @@ from app.accounts import service as accounts
 from app.accounts.door import COOKIE, visitor_of
 from app.accounts.models import Role, User
 from app.accounts.service import InvalidInput, NotFound
+from app.audit import Action, record_request
 from app.db import SessionDep
 from app.settings import settings
 
@@ -77,9 +78,12 @@ def signin(
     user = accounts.authenticate(session, name, password)
     if user is None:
         limiter.failed(name, address)
+        record_request(request, session, Action.sign_in_refused, f"name “{name[:100]}”",
+                       actor="someone signed out")
         return render(request, "signin.html",
                       {**context, "error": "That name and password do not match an account."},
                       status_code=401)
+    record_request(request, session, Action.signed_in, user_id=user.id, actor=user.name)
     return _signed_in(request, accounts.start_session(session, user), _next_page(next))
 
 
@@ -88,6 +92,7 @@ def signout(request: Request, session: SessionDep) -> Response:
     visitor = visitor_of(request)
     if visitor is not None and visitor.session_id is not None:
         accounts.end_session(session, visitor.session_id)
+        record_request(request, session, Action.signed_out)
     response = RedirectResponse("/signin", status_code=303)
     response.delete_cookie(COOKIE, path="/")
     return response
@@ -128,6 +133,8 @@ def setup(
     except InvalidInput as exc:
         context = {"token": token, "invited": invited, "name": name, "errors": exc.errors}
         return render(request, "setup.html", context, status_code=422)
+    record_request(request, session, Action.set_up if invited is None else Action.joined,
+                   user_id=user.id, actor=user.name)
     return _signed_in(request, accounts.start_session(session, user), "/")
 
 
@@ -155,6 +162,7 @@ def change_password(
         accounts.change_password(session, _me(request, session), current, password, keep)
     except InvalidInput as exc:
         return _account_page(request, session, errors=exc.errors, status_code=422)
+    record_request(request, session, Action.password_changed)
     return _account_page(request, session, password_changed=True)
 
 
@@ -168,12 +176,14 @@ def create_token(
     request: Request, session: SessionDep, label: Annotated[str, Form()] = ""
 ) -> Response:
     token = accounts.create_api_token(session, _me(request, session), label)
+    record_request(request, session, Action.token_created, f"token “{label.strip()[:100]}”")
     return _account_page(request, session, new_token=token, status_code=201)
 
 
 @router.post("/account/tokens/{token_id}/revoke", name="revoke_token")
 def revoke_token(request: Request, session: SessionDep, token_id: int) -> Response:
     _found(accounts.revoke_api_token, session, _me(request, session), token_id)
+    record_request(request, session, Action.token_revoked, f"token {token_id}")
     return RedirectResponse("/account", status_code=303)
 
 
@@ -213,6 +223,8 @@ def invite_user(
     except InvalidInput as exc:
         return _admin_page(request, session, errors=exc.errors, status_code=422)
     token = accounts.new_link(session, user)
+    record_request(request, session, Action.account_invited, f"account “{user.name}”",
+                   f"role: {user.role}")
     link = f"{str(request.base_url).rstrip('/')}/setup?token={token}"
     return _admin_page(request, session, invite_link=link, invited_name=user.name,
                        status_code=201)
@@ -235,4 +247,7 @@ def change_user(
     except InvalidInput as exc:
         session.rollback()
         return _admin_page(request, session, errors=exc.errors, status_code=422)
+    state = "disabled" if user.disabled else "enabled"
+    record_request(request, session, Action.account_changed, f"account “{user.name}”",
+                   f"role: {user.role}, {state}")
     return RedirectResponse("/admin/users", status_code=303)

@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from sqlalchemy.orm import object_session
 from starlette.requests import ClientDisconnect
 
+from app.audit import Action, listed, record_request
 from app.contract.results import export_errors
 from app.contract.training import FIELDS
 from app.db import SessionDep
@@ -55,7 +56,12 @@ def create_project(
             "name": name,
         }
         return render(request, "index.html", context, status_code=422)
+    record_request(request, session, Action.project_created, _named(project))
     return RedirectResponse(f"/projects/{project.id}", status_code=303)
+
+
+def _named(project: Project) -> str:
+    return f"project “{project.name}”"
 
 
 def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
@@ -165,6 +171,9 @@ async def upload(request: Request, project_id: int, session: SessionDep) -> Resp
     outcomes = await run_in_threadpool(
         documents_service.register_uploads, session, project, received
     )
+    if kept := [o.name for o in outcomes if o.fate == "accepted"]:
+        await run_in_threadpool(record_request, request, session, Action.uploaded,
+                                _named(project), listed(kept))
     context = await run_in_threadpool(
         _project_context, project, outcomes=outcomes, oob_documents=True, oob_train=True
     )
@@ -196,6 +205,9 @@ def inbox_settings(
     except InvalidInput as exc:
         context = _project_context(project, inbox_errors=exc.errors, inbox_values=values)
         return render(request, "project.html", context, status_code=422)
+    shown = {**values, "inbox_path": project.inbox_path or "(the project's own folder)"}
+    record_request(request, session, Action.folder_settings, _named(project),
+                   ", ".join(f"{k}: {v}" for k, v in shown.items()))
     return RedirectResponse(f"/projects/{project.id}#inbox", status_code=303)
 
 
@@ -227,6 +239,8 @@ def start_training(
     except InvalidInput as exc:
         context = _project_context(project, train_errors=exc.errors, train_values=values)
         return render(request, "project.html", context, status_code=422)
+    record_request(request, session, Action.training_started, _named(project),
+                   f"job {job.id}, {job.method}")
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
 
 
@@ -281,24 +295,30 @@ def job_page(request: Request, job_id: int, session: SessionDep) -> Response:
 def cancel_job(request: Request, job_id: int, session: SessionDep) -> Response:
     job = jobs_service.get_job(session, job_id)
     jobs_service.request_cancel(session, job)
+    record_request(request, session, Action.job_cancelled, f"job {job.id}",
+                   _named(job.project))
     if is_htmx(request):
         return render(request, "job.html", _job_context(job), blocks=["live"])
     return RedirectResponse(f"/jobs/{job.id}", status_code=303)
 
 
 @router.post("/jobs/{job_id}/current", name="make_current")
-def make_current(job_id: int, session: SessionDep) -> Response:
+def make_current(request: Request, job_id: int, session: SessionDep) -> Response:
     """Use this tuned version: the next training (manual or automatic) continues from it."""
     job = jobs_service.get_job(session, job_id)
     jobs_service.set_current_version(session, job)
+    record_request(request, session, Action.version_chosen, f"job {job.id}",
+                   _named(job.project))
     return RedirectResponse(f"/projects/{job.project_id}#jobs", status_code=303)
 
 
 @router.get("/jobs/{job_id}/download/{kind}", name="download")
-def download(job_id: int, kind: str, session: SessionDep) -> FileResponse:
+def download(request: Request, job_id: int, kind: str, session: SessionDep) -> FileResponse:
     """The zip streamed from disk in chunks (FileResponse), with a readable file name."""
     job = jobs_service.get_job(session, job_id)
     path = jobs_service.artifact_file(job, kind)
+    record_request(request, session, Action.downloaded, f"job {job.id}",
+                   f"{jobs_service.ARTIFACT_LABELS.get(kind, kind)}, {_named(job.project)}")
     return FileResponse(
         path, media_type="application/zip", filename=jobs_service.download_filename(job, kind)
     )

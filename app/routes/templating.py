@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from jinja2_fragments.fastapi import Jinja2Blocks
 
+from app.lan import crosses_network_unencrypted
 from app.services.jobs import format_number, human_duration
 from app.services.uploads import human_size
 
@@ -82,8 +83,9 @@ def render(
 ) -> Response:
     """The whole page, or just `blocks` of it (in order) for an htmx request."""
     visitor = getattr(request.state, "visitor", None)  # who app/accounts/door.py let in
+    unencrypted = crosses_network_unencrypted(request.url.scheme, request.headers.get("host", ""))
     context = {"visitor": visitor, "csrf_token": visitor.csrf_token if visitor else "",
-               **context}
+               "unencrypted_lan": unencrypted, **context}
     headers = {"Vary": "HX-Request, HX-Target"}
     if blocks and is_htmx(request):
         return templates.TemplateResponse(

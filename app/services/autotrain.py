@@ -14,6 +14,8 @@ from datetime import UTC, datetime, time, timedelta
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from app import audit
+from app.audit import Action
 from app.models import AutoTrain, Job, JobState, Project
 from app.services.jobs import create_job, current_version, job_sources, readiness
 from app.services.projects import corpus_of
@@ -100,6 +102,8 @@ def auto_train_step(session: Session, project: Project, now: datetime) -> AutoSt
         return AutoStep("last auto job failed on these documents", last_auto.id)
     method = reference.method if reference else "lora"
     job = create_job(session, project, {"method": method}, auto=True)
+    audit.record(session, Action.training_started, actor=audit.AUTO_TRAIN,
+                 subject=f"project “{project.name}”", detail=f"job {job.id}, {method}")
     _fired(project, mode, now)
     return AutoStep("queued", job.id)
 

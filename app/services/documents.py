@@ -115,6 +115,7 @@ class DocumentRow:
     preview: str
     error: str | None
     duplicate_of: str | None
+    read_notes: list[str] = field(default_factory=list)  # what the reader skipped
     # Watched folder: the file's path in the inbox, this version's number, when the watcher
     # last saw the file, and why this version is no longer used (None: in use).
     source_path: str | None = None
@@ -210,6 +211,7 @@ def document_rows(project: Project, include_retired: bool = False) -> list[Docum
                 preview=doc.preview or "",
                 error=doc.error,
                 duplicate_of=duplicate_of,
+                read_notes=[str(n) for n in doc.read_notes or []],
                 source_path=doc.source_path,
                 version=doc.version or 1,
                 last_seen=doc.last_seen_at,

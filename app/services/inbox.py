@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from app.db import utcnow
 from app.filetypes import kind_for_filename
 from app.models import AutoTrain, DocStatus, Document, Project, Retired
+from app.services.allowed_folders import allowed_folders, overlaps_data_dir
 from app.services.documents import register_uploads
 from app.services.errors import InvalidInput
 from app.services.uploads import ReceivedFile
@@ -104,16 +105,21 @@ def folder_refusal(folder: Path, root: Path, allowed: Sequence[Path]) -> str | N
             f"{folder} holds the folders of every project. Choose a folder inside it, or leave "
             "the field empty for this project's own folder."
         )
-    if real.is_relative_to(real_root):
-        return None
-    if any(real.is_relative_to(os.path.realpath(base)) for base in allowed):
+    if real.is_relative_to(real_root) or any(
+        real.is_relative_to(os.path.realpath(base)) for base in allowed
+    ):
+        if overlaps_data_dir(real):  # an allowed folder above the data dir, say
+            return (
+                f"{folder} holds DocTune's own data (its database and every upload) or lies "
+                "inside it, so it cannot be watched. Choose another folder."
+            )
         return None
     leads = "" if real == Path(os.path.normpath(folder)) else f" (it leads to {real})"
     places = " or inside ".join(allowed_places(root, allowed))
     return (
         f"DocTune only watches folders inside {places}; {folder}{leads} is not. Choose a "
         "folder there, or leave the field empty for this project's own folder. To use "
-        "another folder, whoever runs DocTune adds it to DOCTUNE_ALLOWED_FOLDERS."
+        "another folder, an admin adds it under Admin, Folders."
     )
 
 
@@ -312,9 +318,13 @@ class InboxSettings:
     start_from: str
 
 
-def parse_inbox_form(form: dict[str, str]) -> InboxSettings:
+def parse_inbox_form(
+    form: dict[str, str], allowed: Sequence[Path] | None = None
+) -> InboxSettings:
     """The watched-folder form: folder (empty: the default), auto-train mode, quiet minutes,
-    nightly time, and where new jobs start. Raises InvalidInput with one message per field."""
+    nightly time, and where new jobs start. Raises InvalidInput with one message per field.
+    `allowed`: the allowed folders (default: DOCTUNE_ALLOWED_FOLDERS only)."""
+    allowed = settings.allowed_folders if allowed is None else allowed
     errors: dict[str, str] = {}
     raw_path = (form.get("inbox_path") or "").strip()
     inbox_path: str | None = None
@@ -324,7 +334,7 @@ def parse_inbox_form(form: dict[str, str]) -> InboxSettings:
             errors["inbox_path"] = "Please give the folder's full path, e.g. /home/me/Documents."
         elif "\x00" in raw_path or len(raw_path) > 1000:
             errors["inbox_path"] = "This folder path cannot be used."
-        elif refusal := folder_refusal(path, settings.inbox_dir, settings.allowed_folders):
+        elif refusal := folder_refusal(path, settings.inbox_dir, allowed):
             errors["inbox_path"] = refusal
         else:
             inbox_path = str(path)
@@ -358,7 +368,7 @@ def parse_inbox_form(form: dict[str, str]) -> InboxSettings:
 
 
 def update_inbox_settings(session: Session, project: Project, form: dict[str, str]) -> Project:
-    wanted = parse_inbox_form(form)
+    wanted = parse_inbox_form(form, allowed_folders(session))
     if wanted.inbox_path != project.inbox_path:
         project.inbox_status, project.inbox_checked_at = None, None  # the watcher looks again
     project.inbox_path = wanted.inbox_path
@@ -396,7 +406,8 @@ def inbox_view(
     path = inbox_folder(session, project, root)
     status = project.inbox_status
     checked = project.inbox_checked_at
-    refusal = folder_refusal(path, root, settings.allowed_folders)
+    allowed = allowed_folders(session)
+    refusal = folder_refusal(path, root, allowed)
     if refusal is not None:
         state, message = "refused", f"{refusal} This folder is not watched."
     elif checked is None:
@@ -428,5 +439,5 @@ def inbox_view(
         auto_quiet_min=round(project.auto_quiet_s / 60, 1),
         auto_nightly_at=project.auto_nightly_at,
         start_from=project.start_from,
-        allowed=allowed_places(root, settings.allowed_folders),
+        allowed=allowed_places(root, allowed),
     )

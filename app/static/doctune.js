@@ -125,3 +125,46 @@
     }
   });
 })();
+
+// Chat: a reply that is still being written (<div data-reply-stream=URL data-reply-url=URL>)
+// follows its Server-Sent Events: "status" lines, "token" pieces appended as plain text
+// (textContent: the model's text never becomes markup here), then "done"/"error", when the
+// finished reply (its Markdown rendered by the server) replaces the live one.
+(function () {
+  "use strict";
+  function finish(box) {
+    if (window.htmx) {
+      window.htmx.ajax("GET", box.getAttribute("data-reply-url"), { target: box, swap: "outerHTML" })
+        .then(function () { var q = document.getElementById("question"); if (q) q.focus(); });
+    }
+  }
+  function follow(box) {
+    if (box.dataset.following) return;
+    box.dataset.following = "1";
+    var text = box.querySelector(".reply-live");
+    var status = box.querySelector(".msg-status-text");
+    var source = new EventSource(box.getAttribute("data-reply-stream"));
+    function data(event) { try { return JSON.parse(event.data); } catch (e) { return {}; } }
+    source.addEventListener("status", function (event) { status.textContent = data(event).text || ""; });
+    source.addEventListener("token", function (event) {
+      status.textContent = "Writing…";
+      text.textContent += data(event).text || "";
+    });
+    function end() { source.close(); finish(box); }
+    source.addEventListener("done", end);
+    source.addEventListener("error", function (event) {
+      if (event.data !== undefined) { end(); return; } // the reply failed: the server says why
+      if (source.readyState === EventSource.CLOSED) finish(box); // the connection is gone
+    });
+  }
+  function scan(root) {
+    var boxes = (root || document).querySelectorAll("[data-reply-stream]");
+    for (var i = 0; i < boxes.length; i++) follow(boxes[i]);
+  }
+  document.addEventListener("DOMContentLoaded", function () { scan(document); });
+  document.addEventListener("htmx:load", function (event) { scan(event.target.parentNode || document); });
+  document.addEventListener("htmx:afterRequest", function (event) {
+    var form = event.target;
+    if (form && form.id === "ask-form" && event.detail.successful) form.reset();
+  });
+})();

@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from sqlalchemy import select, update
 from watchdog.observers import Observer
 
+from app import audit
+from app.audit import Action
 from app.db import session_scope, utcnow
 from app.models import AutoTrain, Document, Project
+from app.services.allowed_folders import allowed_folders
 from app.services.autotrain import auto_train_step
 from app.services.inbox import (
     HEARTBEAT_S,
@@ -102,6 +105,7 @@ class Watcher:
                 if project.inbox_status is None and project.inbox_path is None:
                     created.append(project.id)  # a new project: make its default folder once
             self.auto_projects = {p.id for p in projects if p.auto_train != AutoTrain.off}
+            allowed = allowed_folders(session)
         for project_id in set(self.inboxes) - set(folders):
             self._unwatch(self.inboxes.pop(project_id))
         for project_id, root in folders.items():
@@ -112,8 +116,8 @@ class Watcher:
             if inbox is None:
                 inbox = self.inboxes[project_id] = Inbox(project_id, root)
             # Checked on every read, not only when the folder was set: a link changed since,
-            # or a folder taken off DOCTUNE_ALLOWED_FOLDERS, stops the watching.
-            inbox.refused = folder_refusal(root, settings.inbox_dir, settings.allowed_folders)
+            # or a folder taken off the allowed ones, stops the watching.
+            inbox.refused = folder_refusal(root, settings.inbox_dir, allowed)
             if inbox.refused is not None:
                 continue
             if project_id in created:
@@ -247,6 +251,9 @@ class Watcher:
                 if project is None:
                     raise LookupError("project deleted")
                 results = register_inbox_files(session, project, items, set(inbox.missing_since))
+                if read := [r.rel for r in results if r.effect in ("added", "version", "failed")]:
+                    audit.record(session, Action.folder_read, actor=audit.WATCHER,
+                                 subject=f"project “{project.name}”", detail=audit.listed(read))
                 docs = {d.id: d for d in project.documents}
                 updates = {}
                 ctimes = {rel: c.sig[2] for rel, c in inbox.candidates.items()}

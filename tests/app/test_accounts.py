@@ -101,13 +101,18 @@ def test_every_route_but_the_open_ones_refuses_an_anonymous_request(env):
                 if path.startswith("/api/"):
                     assert r.status_code == 401, (method, path, r.status_code)
                     assert "Sign in" in r.json()["detail"]
+                elif path.startswith("/v1/"):  # the OpenAI-compatible API, in its shape
+                    assert r.status_code == 401, (method, path, r.status_code)
+                    assert "Sign in" in r.json()["error"]["message"]
                 else:
                     assert r.status_code == 303, (method, path, r.status_code)
                     assert r.headers["location"].startswith("/signin?next="), (method, path)
     assert ("POST", "/test-only/added-later") in checked
     assert {("GET", "/"), ("POST", "/projects/{project_id}/documents"),
             ("GET", "/jobs/{job_id}/download/{kind}"), ("GET", "/api/projects"),
-            ("GET", "/admin/users"), ("POST", "/account/tokens")} <= set(checked)
+            ("GET", "/admin/users"), ("POST", "/account/tokens"), ("GET", "/v1/models"),
+            ("POST", "/v1/chat/completions"), ("GET", "/chat/replies/{message_id}/events"),
+            ("GET", "/admin/audit")} <= set(checked)
     assert len(checked) >= 20
     with session_scope() as session:
         assert list(session.scalars(select(Project))) == []
@@ -173,6 +178,25 @@ def test_the_limit_counts_per_name_and_per_address():
         limiter.failed("Grace", "10.0.0.1")
     assert limiter.wait_s("grace", "10.0.0.2") > 0  # the name, from anywhere
     assert limiter.wait_s("Linus", "10.0.0.1") > 0  # the address, for any name
+    assert limiter.wait_s("Linus", "10.0.0.2") == 0
+
+
+def test_the_count_is_kept_in_redis_for_every_web_process(env):
+    for _ in range(5):
+        limiter.failed("Grace", "10.0.0.1")
+    limiter._limiters.clear()  # as another web process (or a restart) starts: nothing in memory
+    assert 0 < limiter.wait_s("Grace", "10.0.0.9") <= 300
+    assert any(b"doctune-sign-in" in key for key in env.redis.keys("LIMITS*"))
+
+
+def test_without_redis_the_count_is_kept_in_this_process(env, monkeypatch):
+    from app.settings import settings
+
+    monkeypatch.setattr(settings, "redis_url", "redis://127.0.0.1:1/0")  # nothing listens
+    limiter._limiters.clear()
+    for _ in range(5):
+        limiter.failed("Grace", "10.0.0.1")
+    assert limiter.wait_s("Grace", "10.0.0.2") > 0
     assert limiter.wait_s("Linus", "10.0.0.2") == 0
 
 

@@ -75,7 +75,7 @@ def test_a_folder_outside_the_allowed_ones_is_refused_on_the_form(client, tmp_pa
         r = client.post(f"/projects/{project_id}/inbox", data={"inbox_path": wanted})
         assert r.status_code == 422, wanted
         assert "DocTune only watches folders inside" in r.text
-        assert "DOCTUNE_ALLOWED_FOLDERS" in r.text
+        assert "an admin adds it under Admin, Folders" in r.text
     assert f"(it leads to {tmp_path / 'docs'})" in r.text
     with session_scope() as session:
         assert session.get(Project, project_id).inbox_path is None

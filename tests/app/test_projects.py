@@ -74,3 +74,18 @@ def test_unknown_project_is_a_clear_404(client):
     assert r.status_code == 404
     assert "There is no project number 999" in r.text
     assert client.get("/projects/not-a-number").status_code == 404
+
+
+def test_what_a_reader_skipped_is_shown_beside_the_document(client):
+    from app.db import session_scope
+
+    from .factories import make_document, make_project
+
+    with session_scope() as session:
+        project = make_project(session, "Notes")
+        doc = make_document(session, project, "faq.csv", qa_count=3)
+        doc.read_notes = ["Skipped 2 rows with an empty question or answer.", "<b>odd</b>"]
+        project_id = project.id
+    page = client.get(f"/projects/{project_id}").text
+    assert "Skipped 2 rows with an empty question or answer." in page
+    assert "&lt;b&gt;odd&lt;/b&gt;" in page and "<b>odd</b>" not in page

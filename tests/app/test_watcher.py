@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, select
 
+from app.audit import AuditEvent
 from app.db import session_scope
 from app.models import DocStatus, Document, Job, Project
 from app.services.inbox import update_inbox_settings
@@ -155,6 +156,10 @@ def test_a_slow_write_is_taken_only_once_complete(watcher, app_env):
     assert (doc.size_bytes, doc.sha256) == (len(content), sha(content))
     assert (doc.source_path, doc.version, doc.status) == ("report.txt", 1, DocStatus.pending)
     assert ingest_ids(app_env, project_id) == [doc.id]
+    with session_scope() as session:  # the admin's audit log names the watcher, once
+        events = session.execute(select(AuditEvent.actor, AuditEvent.action, AuditEvent.detail)
+                                 .where(AuditEvent.subject == "project “Slow write”")).all()
+    assert [tuple(e) for e in events] == [("folder watcher", "folder_read", "report.txt")]
 
 
 def test_a_burst_of_500_files_is_ingested_exactly_once_each(watcher, app_env, tmp_path):
@@ -490,7 +495,7 @@ def test_a_folder_outside_the_allowed_ones_is_refused_in_words(watcher, tmp_path
         with pytest.raises(InvalidInput) as refused:
             update_inbox_settings(session, project, {"inbox_path": str(watcher.allowed / "sneaky")})
         message = refused.value.errors["inbox_path"]
-        assert f"(it leads to {home})" in message and "DOCTUNE_ALLOWED_FOLDERS" in message
+        assert f"(it leads to {home})" in message and "an admin adds it" in message
         assert project.inbox_path is None
 
     # A folder that was allowed when set and is a link to the home folder now: not watched.

@@ -63,24 +63,28 @@ def local_client(app: FastAPI, *, role: str | None = "admin", **kwargs: Any) -> 
 
 
 @contextmanager
-def serve_app(app_env: Any, log_name: str) -> Iterator[int]:
+def serve_app(app_env: Any, log_name: str, *, tls: tuple[Path, Path] | None = None,
+              extra_env: dict[str, str] | None = None) -> Iterator[int]:
     """The web app in its own uvicorn process on a free loopback port (yielded), with
     DOCTUNE_PORT set to it (the front door answers on the configured port only) and the
-    session's data dir and Redis; its output goes to `log_name` in the data dir."""
+    session's data dir and Redis; its output goes to `log_name` in the data dir.
+    `tls` = (certificate, key): HTTPS, started as the launcher starts it (DOCTUNE_TLS_* set,
+    uvicorn's --ssl-* flags); `extra_env`: more settings for that process."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ)
     env.update(DOCTUNE_DATA_DIR=str(app_env.data_dir), REDIS_URL=app_env.redis_url,
-               DOCTUNE_PORT=str(port))
+               DOCTUNE_PORT=str(port), **(extra_env or {}))
     env.pop("DATABASE_URL", None)
+    cmd = [sys.executable, "-m", "uvicorn", "app.main:app", "--port", str(port)]
+    if tls is not None:
+        env.update(DOCTUNE_TLS_CERTFILE=str(tls[0]), DOCTUNE_TLS_KEYFILE=str(tls[1]))
+        cmd += ["--ssl-certfile", str(tls[0]), "--ssl-keyfile", str(tls[1])]
     log = Path(app_env.data_dir) / log_name
     root = Path(__file__).resolve().parents[2]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "app.main:app", "--port", str(port)],
-            cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -82,3 +82,24 @@ def save_tiny_model(
         tokenizer.save_pretrained(out_dir)
     make_tokenizer_portable(out_dir)
     return out_dir
+
+
+def save_tiny_adapter(model_dir: Path, out_zip: Path, seed: int = 1, rank: int = 4) -> Path:
+    """A LoRA adapter on the saved tiny model in `model_dir`, as a version's adapter.zip
+    (worker/export export_adapter). Both LoRA matrices are drawn from `seed` (peft starts
+    B at zero, which would change nothing), so the adapter visibly changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+
+    from worker.export.writers import export_adapter
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"],
+                        lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.5)
+    return export_adapter(peft_model, tokenizer, out_zip, "A tiny test adapter.")

@@ -88,11 +88,18 @@ def test_worker_extracts_uploads_and_marks_failures(tmp_path):
     fx.make_pdf(tmp_path / "manual.pdf", FACTS)
     fx.make_corrupt(tmp_path / "broken.docx")
     fx.make_txt(tmp_path / "blank.txt", ["   ", "\t"])
-    ids = _add(pid, [tmp_path / "manual.pdf", tmp_path / "broken.docx", tmp_path / "blank.txt"])
+    fx.make_qa_csv(tmp_path / "faq.csv", [("How long is the warranty?", "36 months"),
+                                          ("Who answers urgent tickets?", "")])
+    ids = _add(pid, [tmp_path / "manual.pdf", tmp_path / "broken.docx", tmp_path / "blank.txt",
+                     tmp_path / "faq.csv"])
     docs = [wait_for(lambda d=d: (x := _doc(d)).status != DocStatus.pending and x, 60, "extract")
             for d in ids]
-    pdf, docx, blank = docs
+    pdf, docx, blank, faq = docs
     assert pdf.status == DocStatus.extracted, pdf.error
+    assert pdf.read_notes is None  # nothing skipped
+    # What the reader skipped is kept, in words, for the document list.
+    assert faq.status == DocStatus.extracted and faq.qa_count == 1
+    assert faq.read_notes is not None and any("1 row" in n for n in faq.read_notes), faq.read_notes
     assert "NW-4471" in pdf.preview + " ".join(FACTS)
     assert pdf.word_count >= sum(len(f.split()) for f in FACTS) - 2
     assert docx.status == DocStatus.failed and "damaged" in docx.error

@@ -34,7 +34,9 @@ def _cmd_web(args) -> int:
 
     if args.migrate:
         upgrade_to_head()
-    uvicorn.run("app.main:app", host=settings.host, port=settings.port)
+    tls = ({"ssl_certfile": str(settings.tls_certfile), "ssl_keyfile": str(settings.tls_keyfile)}
+           if settings.tls else {})  # as app/launcher.py's web_cmd
+    uvicorn.run("app.main:app", host=settings.host, port=settings.port, **tls)
     return 0
 
 

@@ -1,0 +1,238 @@
+"""The bridge between transformers' KV cache and the SSD store (offload/kvcache).
+
+A turn starts with `prefill`: the longest stored prefix of the conversation's ids is read
+into a DynamicCache and only the rest runs through the model; it ends with `save`, which
+stores the cache for exactly the ids it covers. Anything wrong on the store's side (a miss,
+a bad file, a layout the cache cannot take) costs a longer prefill, never a turn: the same
+tokens come out, only slower.
+
+Only caches whose every layer is a plain full-attention `DynamicLayer` ([batch, kv heads,
+tokens, head dim], what transformers 5 builds for Llama-shaped models such as SmolLM2) are
+restored and saved; others (sliding windows, linear attention) are prefilled every turn.
+The namespace (`model_fingerprint`) covers the base weights, the adapter, the dtype and the
+library versions, so a cache is only ever restored into the model that made it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from offload.kvcache import KVStore, fingerprint
+
+log = logging.getLogger(__name__)
+
+# What a model folder's fingerprint covers: its weights and the configs that change the
+# arithmetic (LoRA's rank and alpha live in adapter_config.json). Not the tokenizer: the
+# cache is keyed by token ids.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+CONFIG_NAMES = ("config.json", "adapter_config.json")
+
+
+@dataclass
+class Prefilled:
+    """A conversation's ids run through the model, with the cache restored where it could."""
+
+    cache: DynamicCache  # covers every id given to prefill()
+    logits: torch.Tensor  # float32 [vocab]: the next token after them
+    restored: int  # ids whose cache came from the store
+    prefilled: int  # ids run through the model now (at least one)
+
+
+def _base(model):
+    """The transformers model under a peft wrapper (or the model itself)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def _forward_kwargs(model) -> tuple[str, bool]:
+    """The cache argument's name (transformers 5.2x renamed past_key_values to cache) and
+    whether the forward takes logits_to_keep."""
+    params = inspect.signature(type(_base(model)).forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    return name, "logits_to_keep" in params
+
+
+def _device_dtype(model) -> tuple[torch.device, torch.dtype]:
+    p = next(p for p in model.parameters() if p.is_floating_point())
+    return p.device, p.dtype
+
+
+def _kv_shape(config) -> tuple[int, int]:
+    """(key-value heads, head dim) of a layer, from the model's config."""
+    heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return heads, int(head_dim)
+
+
+def _storable(cache: DynamicCache, config) -> bool:
+    layers = getattr(cache, "layers", [])
+    n = getattr(config, "num_hidden_layers", None)
+    return bool(layers) and len(layers) == n and all(type(x) is DynamicLayer for x in layers)
+
+
+def _restore(model, store: KVStore, ids: list[int]) -> tuple[DynamicCache, int]:
+    """A cache holding the longest stored prefix of `ids` (all but the last id at most)."""
+    config = model.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=model.config)
+    if not _storable(cache, config):
+        return cache, 0
+    n, layers = store.load(ids, max_tokens=len(ids) - 1)
+    if not n:
+        return cache, 0
+    device, dtype = _device_dtype(model)
+    want = _kv_shape(config)
+    if len(layers) != len(cache.layers) or any(
+        t.dtype != dtype or tuple(t.shape) != (want[0], n, want[1]) for pair in layers for t in pair
+    ):
+        log.warning("kv cache: the stored layout does not fit this model; prefilling it all")
+        return cache, 0
+    for layer, (k, v) in zip(cache.layers, layers, strict=True):
+        _fill(layer, k.unsqueeze(0).to(device), v.unsqueeze(0).to(device))
+    if cache.get_seq_length() != n:
+        raise RuntimeError(f"the filled cache holds {cache.get_seq_length()} tokens, not {n}")
+    return cache, n
+
+
+def _fill(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """An empty DynamicLayer holding `keys` and `values` as they are: the state update()
+    leaves (lazy_initialization, then keys and values set), without update()'s copy of the
+    restored tensors (a concatenation onto an empty tensor: 190 MB more at 4k tokens)."""
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys.contiguous(), values.contiguous()
+
+
+@torch.inference_mode()
+def prefill(model, store: KVStore | None, token_ids: list[int]) -> Prefilled:
+    """Run `token_ids` (the whole conversation so far) through `model` (plain or
+    peft-wrapped, in eval mode), restoring what `store` has of them first; `store` None:
+    a cold prefill of them all."""
+    ids = [int(t) for t in token_ids]
+    if not ids:
+        raise ValueError("prefill needs at least one token id")
+    cache, restored = DynamicCache(config=model.config), 0
+    if store is not None:
+        try:
+            cache, restored = _restore(model, store, ids)
+        except Exception:  # the cache is an optimisation: prefill it all
+            log.exception("kv cache: restoring failed; prefilling the whole history")
+            cache, restored = DynamicCache(config=model.config), 0
+    device, _ = _device_dtype(model)
+    name, keep = _forward_kwargs(model)
+    kwargs = {name: cache, "use_cache": True}
+    if keep:
+        kwargs["logits_to_keep"] = 1
+    out = model(input_ids=torch.tensor([ids[restored:]], device=device), **kwargs)
+    logits = out.logits[0, -1].float()
+    return Prefilled(cache, logits, restored, len(ids) - restored)
+
+
+@torch.inference_mode()
+def extend(model, cache: DynamicCache, token_ids: list[int]) -> torch.Tensor:
+    """Run `token_ids` through `model` on top of `cache` (which grows by them): the float32
+    logits [vocab] of the token after the last one. The decoding loop's one step."""
+    device, _ = _device_dtype(model)
+    name, keep = _forward_kwargs(model)
+    kwargs = {name: cache, "use_cache": True}
+    if keep:
+        kwargs["logits_to_keep"] = 1
+    out = model(input_ids=torch.tensor([[int(t) for t in token_ids]], device=device), **kwargs)
+    return out.logits[0, -1].float()
+
+
+def save(store: KVStore | None, token_ids: list[int], cache: DynamicCache) -> int:
+    """Store `cache` for exactly the first cache.get_seq_length() ids of `token_ids` (the
+    reply's last token is usually not in the cache yet). Returns the tokens stored (0 when
+    nothing could be: no store, a cache it cannot take, a full disk; logged, never raised)."""
+    if store is None:
+        return 0
+    n = cache.get_seq_length()
+    if n == 0:
+        return 0
+    try:
+        if len(token_ids) < n:
+            raise ValueError(f"the cache covers {n} tokens, only {len(token_ids)} ids given")
+        layers = getattr(cache, "layers", [])
+        if not layers or not all(type(x) is DynamicLayer for x in layers):
+            log.info("kv cache: %s is not saved (not full-attention DynamicLayers)",
+                     type(cache).__name__)
+            return 0
+        pairs = []
+        for layer in layers:
+            k, v = layer.keys, layer.values
+            if k.dim() != 4 or k.shape[0] != 1 or k.shape[-2] != n or v.shape[-2] != n:
+                raise ValueError(f"a layer of shape {tuple(k.shape)} for {n} tokens, batch 1")
+            pairs.append((k[0], v[0]))
+        return store.save([int(t) for t in token_ids[:n]], pairs)
+    except Exception:  # a turn is never failed by its cache
+        log.exception("kv cache: saving failed; the next turn prefills instead")
+        return 0
+
+
+_hashes: dict[tuple[str, int, int, int], str] = {}
+_hashes_lock = threading.Lock()
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 of a file's bytes, remembered by (path, inode, size, mtime_ns): a model's
+    weights are hashed once per process, not on every turn (~0.3 s for SmolLM2's 540 MB).
+    A file rewritten in place with its size and mtime kept would not be noticed."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _hashes_lock:
+        known = _hashes.get(key)
+    if known is not None:
+        return known
+    with open(real, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with _hashes_lock:
+        _hashes[key] = digest
+    return digest
+
+
+def _folder_digest(folder: str | os.PathLike) -> str:
+    folder = Path(folder)
+    files = sorted(
+        p for p in folder.iterdir()
+        if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES) or p.name in CONFIG_NAMES)
+    )
+    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
+        raise ValueError(f"{folder} holds no weights files")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.name}\0{file_sha256(p)}\n".encode())
+    return h.hexdigest()
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def model_fingerprint(base_model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None,
+                      dtype: torch.dtype | str) -> str:
+    """The store namespace of a model: its base weights and config, the adapter's weights
+    and config (None: no adapter), the dtype, torch / transformers / peft versions and the
+    store's FORMAT_VERSION (fingerprint() adds it). Any change misses every cache."""
+    return fingerprint(
+        base=_folder_digest(base_model_dir),
+        adapter=_folder_digest(adapter_dir) if adapter_dir is not None else None,
+        dtype=str(dtype).removeprefix("torch."),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        peft=_version("peft"),
+    )

@@ -1,0 +1,169 @@
+"""The models the chat worker keeps loaded: the base model once, every LoRA version as an
+adapter on it (switched on for its conversations, off for the base model's), and the most
+recently used full fine-tuned version as a model of its own. Each comes with its SSD cache
+store, namespaced by the model's fingerprint (worker/chat/kv.py), so a cache made by one
+version is never restored into another.
+
+The base model's answers come from the very same wrapped model with the adapters disabled
+(`disable_adapter()`): once peft has wrapped it, calling the inner model still runs the
+active adapter, which is how a compare view elsewhere showed the tuned model twice."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from offload.kvcache import KVStore
+from worker.chat import kv
+from worker.errors import UserFacingError
+from worker.training.continued import unpack_adapter, unpack_model
+
+log = logging.getLogger(__name__)
+
+DTYPE = torch.float32  # as jobs train and score: the answers match the score card's
+
+
+@dataclass(frozen=True)
+class Version:
+    """What a conversation talks to: None job_id is the base model."""
+
+    job_id: int | None
+    method: str = "lora"  # lora | full
+    artifact: Path | None = None  # the adapter zip (lora) or merged-model zip (full)
+
+    @property
+    def name(self) -> str:
+        return "base" if self.job_id is None else f"v{self.job_id}"
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    store: KVStore | None
+    max_positions: int
+
+
+class ChatModels:
+    """Loaded lazily, kept for the worker's life (one reply at a time: no locking)."""
+
+    def __init__(self, base_dir: Path, work_dir: Path, cache_dir: Path | None,
+                 cache_bytes: int | None = None) -> None:
+        self.base_dir = Path(base_dir)
+        self.work_dir = Path(work_dir)  # unpacked versions: work_dir/<name>/
+        self.cache_dir = cache_dir
+        self.cache_bytes = cache_bytes
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_dir)
+        self._base: torch.nn.Module | None = None
+        self._wrapped = None  # the PeftModel around the base, once a LoRA version is used
+        self._adapters: dict[str, Path] = {}
+        self._full: tuple[str, torch.nn.Module, Path] | None = None
+        self._stores: dict[str, KVStore] = {}
+
+    def loaded(self, version: Version) -> bool:
+        """Whether a reply from `version` can start without loading anything."""
+        if version.job_id is None:
+            return self._base is not None
+        if version.method == "full":
+            return self._full is not None and self._full[0] == version.name
+        return version.name in self._adapters
+
+    def _load_base(self) -> torch.nn.Module:
+        if self._base is None:
+            log.info("chat: loading the base model from %s", self.base_dir)
+            self._base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=DTYPE).eval()
+        return self._base
+
+    def _store(self, fingerprint: str) -> KVStore | None:
+        if self.cache_dir is None:
+            return None
+        if fingerprint not in self._stores:
+            self._stores[fingerprint] = KVStore(self.cache_dir, fingerprint,
+                                                cap_bytes=self.cache_bytes)
+        return self._stores[fingerprint]
+
+    def _unpacked(self, version: Version) -> Path:
+        if version.artifact is None or not version.artifact.is_file():
+            raise UserFacingError(f"The files of version {version.name} are gone: it cannot "
+                                  "chat. Train it again, or choose another version.")
+        target = self.work_dir / version.name
+        try:
+            if version.method == "full":
+                return unpack_model(version.artifact, target)
+            return unpack_adapter(version.artifact, target)
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+            raise UserFacingError(f"The files of version {version.name} cannot be read "
+                                  f"({exc}). Train it again, or choose another version.") from exc
+
+    def _positions(self, model: torch.nn.Module) -> int:
+        return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+
+    @contextlib.contextmanager
+    def use(self, version: Version) -> Iterator[Loaded]:
+        """The model for `version`, its tokenizer and its cache store, for one reply."""
+        if version.job_id is not None and version.method == "full":
+            model, folder = self._full_model(version)
+            fp = kv.model_fingerprint(folder, None, DTYPE)
+            yield Loaded(model, self.tokenizer, self._store(fp), self._positions(model))
+            return
+        base = self._load_base()
+        if version.job_id is None:
+            fp = kv.model_fingerprint(self.base_dir, None, DTYPE)
+            disabled = self._wrapped.disable_adapter() if self._wrapped is not None else (
+                contextlib.nullcontext())
+            with disabled:
+                model = self._wrapped if self._wrapped is not None else base
+                yield Loaded(model, self.tokenizer, self._store(fp), self._positions(base))
+            return
+        folder = self._adapter(version)
+        self._wrapped.set_adapter(version.name)
+        fp = kv.model_fingerprint(self.base_dir, folder, DTYPE)
+        yield Loaded(self._wrapped, self.tokenizer, self._store(fp), self._positions(base))
+
+    def forget(self, version: Version, token_ids: list[int]) -> int:
+        """Delete the cache of a deleted conversation with `version` (its files that no other
+        conversation's history shares); 0 when that version never chatted here."""
+        if self.cache_dir is None:
+            return 0
+        folder = self.work_dir / version.name
+        if version.job_id is None:
+            fp = kv.model_fingerprint(self.base_dir, None, DTYPE)
+        elif not folder.is_dir():
+            return 0
+        elif version.method == "full":
+            fp = kv.model_fingerprint(folder, None, DTYPE)
+        else:
+            fp = kv.model_fingerprint(self.base_dir, folder, DTYPE)
+        return self._store(fp).forget(token_ids)
+
+    def _adapter(self, version: Version) -> Path:
+        if version.name in self._adapters:
+            return self._adapters[version.name]
+        from peft import PeftModel
+
+        folder = self._unpacked(version)
+        log.info("chat: loading the adapter of %s", version.name)
+        if self._wrapped is None:
+            self._wrapped = PeftModel.from_pretrained(self._load_base(), folder,
+                                                      adapter_name=version.name).eval()
+        else:
+            self._wrapped.load_adapter(folder, adapter_name=version.name)
+        self._adapters[version.name] = folder
+        return folder
+
+    def _full_model(self, version: Version) -> tuple[torch.nn.Module, Path]:
+        if self._full is not None and self._full[0] == version.name:
+            return self._full[1], self._full[2]
+        self._full = None  # one full version at a time: free the last one first
+        folder = self._unpacked(version)
+        log.info("chat: loading full version %s", version.name)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE).eval()
+        self._full = (version.name, model, folder)
+        return model, folder
