@@ -107,9 +107,13 @@ def test_an_honest_file_still_reads_in_the_box(tmp_path, project_id):
     assert text_path(row.stored_name).read_text() == "Part NW-4471."
 
 
+LONG_PDF_PAGES = 2000  # several seconds of pypdf on any CPU we run on, not about one
+
+
 def test_a_reader_past_the_wall_clock_is_killed(tmp_path, project_id, monkeypatch):
-    # A genuine 400-page PDF: pypdf needs a few seconds; the box allows one.
-    doc_id = _document(project_id, hostile.make_long_pdf(tmp_path / "long.pdf", 400))
+    # A genuine 2,000-page PDF: pypdf needs several seconds (4 s on a Xeon core, where 400
+    # pages took 1.0 s: too close to the limit); the box allows one.
+    doc_id = _document(project_id, hostile.make_long_pdf(tmp_path / "long.pdf", LONG_PDF_PAGES))
     monkeypatch.setattr(settings, "reader_timeout_s", 1.0)
     started = time.monotonic()
     assert ingest_document(doc_id) == DocStatus.failed
@@ -130,7 +134,7 @@ def test_a_reader_past_the_memory_limit_is_stopped(tmp_path, project_id, monkeyp
 
 
 def test_a_reader_past_the_cpu_limit_is_killed(tmp_path):
-    path = hostile.make_long_pdf(tmp_path / "long.pdf", 400)
+    path = hostile.make_long_pdf(tmp_path / "long.pdf", LONG_PDF_PAGES)
     started = time.monotonic()
     with pytest.raises(ExtractionError, match="took longer than 1 second to read"):
         extract_boxed(path, "pdf", ReaderLimits(memory_bytes=2**30, cpu_s=1, timeout_s=60))
