@@ -41,6 +41,9 @@ class Conversation(Base):
     use_documents: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # Two conversations asked the same questions side by side share this (the compare view).
     compare_group: Mapped[str | None] = mapped_column(String(32), default=None, index=True)
+    # A saved context: kept under this name, new conversations start from its history (and
+    # so from its cache on the SSD: no prefill of what it already read).
+    saved_as: Mapped[str | None] = mapped_column(String(100), default=None)
     # The whole history as the model's token ids (prompts as the chat template made them,
     # replies as generated), written by the chat worker only: a follow-up extends these
     # ids, never a re-tokenized text, so the SSD cache of the history matches exactly.

@@ -54,11 +54,14 @@ def split_passages(body: str, words: int = PASSAGE_WORDS) -> list[str]:
     return out
 
 
-def _document_passages(doc: Document) -> list[str]:
-    found: list[str] = []
+def document_text(doc: Document) -> str:
+    """The document's extracted text ("" when the reader left none)."""
     path = text_file(settings.documents_dir, doc.stored_name)
-    if path.is_file():
-        found += split_passages(path.read_text(encoding="utf-8", errors="replace"))
+    return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+
+
+def _document_passages(doc: Document) -> list[str]:
+    found: list[str] = split_passages(document_text(doc))
     qa = qa_file(settings.documents_dir, doc.stored_name)
     if qa.is_file():
         try:

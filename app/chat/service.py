@@ -99,9 +99,10 @@ def _temperature(raw: str | None) -> float:
 
 
 def ask(session: Session, conversation: Conversation, question: str,
-        temperature: str | None = None) -> ChatMessage:
+        temperature: str | None = None, prompt: str | None = None) -> ChatMessage:
     """Add the question and a queued reply; the chat worker gets it once this commits.
-    One reply at a time per conversation: a follow-up needs the answer before it."""
+    One reply at a time per conversation: a follow-up needs the answer before it.
+    `prompt`: what the model reads instead of the question as shown (a whole document)."""
     question = question.strip()
     if not question:
         raise InvalidInput("Type a question first.", {"question": "empty"})
@@ -122,11 +123,11 @@ def ask(session: Session, conversation: Conversation, question: str,
     if not conversation.messages:
         conversation.title = question if len(question) <= 80 else question[:79] + "…"
     found = []
-    if conversation.use_documents:
+    if conversation.use_documents and prompt is None:
         found = passages.search(session, session.get(Project, conversation.project_id), question)
     session.add(ChatMessage(conversation=conversation, role="user", content=question,
-                            prompt_content=passages.prompt_with(question, found) if found
-                            else None, created_at=now))
+                            prompt_content=prompt or (passages.prompt_with(question, found)
+                                                      if found else None), created_at=now))
     reply = ChatMessage(conversation=conversation, role="assistant", state=ReplyState.queued,
                         temperature=value, created_at=now,
                         sources=passages.sources(found) if conversation.use_documents else None)
@@ -209,3 +210,64 @@ def ask_both(session: Session, pair: list[Conversation], question: str,
              temperature: str | None = None) -> list[ChatMessage]:
     """The same question to both sides (both queued in one transaction, or neither)."""
     return [ask(session, conversation, question, temperature) for conversation in pair]
+
+
+# Saved contexts: a conversation (say, one that read a long document) kept under a name;
+# new conversations start from its history, which the SSD cache already holds.
+
+DOCUMENT_WORDS = 3000  # a document read into a context: at most this many words (~4k tokens)
+
+
+def save_context(session: Session, conversation: Conversation, name: str) -> None:
+    name = " ".join(name.split())[:100]
+    if not name:
+        raise InvalidInput("Give the saved context a name.", {"name": "empty"})
+    if any(not m.reply_state.finished for m in conversation.messages if m.role == "assistant"):
+        raise InvalidInput("Wait for the answer before saving this conversation.")
+    if not conversation.token_ids:
+        raise InvalidInput("Ask something first: an empty conversation has nothing to keep.")
+    conversation.saved_as = name
+
+
+def saved_contexts(session: Session, project: Project, user_id: int) -> list[Conversation]:
+    return [c for c in conversations_of(session, project, user_id) if c.saved_as]
+
+
+def start_from(session: Session, saved: Conversation) -> Conversation:
+    """A new conversation holding the saved one's turns and token ids (its next question
+    restores all of them from the SSD)."""
+    if not saved.saved_as:
+        raise NotFound("There is no such saved context.")
+    copy = Conversation(project_id=saved.project_id, user_id=saved.user_id, job_id=saved.job_id,
+                        use_documents=saved.use_documents, token_ids=list(saved.token_ids),
+                        title=f"From “{saved.saved_as}”")
+    session.add(copy)
+    for m in saved.messages:
+        if m.role == "assistant" and m.state == ReplyState.failed:
+            continue
+        session.add(ChatMessage(conversation=copy, role=m.role, content=m.content,
+                                prompt_content=m.prompt_content, state=m.state,
+                                temperature=m.temperature, token_ids=m.token_ids,
+                                sources=m.sources, created_at=m.created_at))
+    session.flush()
+    return copy
+
+
+def read_document(session: Session, project: Project, user_id: int, ref: str,
+                  document_id: int) -> Conversation:
+    """A new conversation whose first turn gives the model one whole document to read (up
+    to about DOCUMENT_WORDS words), to save as a context and ask about later."""
+    doc = next((d for d in project.documents if d.id == document_id
+                and d.status == "extracted" and d.retired_at is None), None)
+    if doc is None:
+        raise NotFound("There is no such document in this project.")
+    words = passages.document_text(doc).split()
+    cut = len(words) > DOCUMENT_WORDS
+    body = " ".join(words[:DOCUMENT_WORDS]) + (" […]" if cut else "")
+    name = passages.display_name(doc.original_name)
+    conversation = start_conversation(session, project, user_id, ref)
+    prompt = f"Here is our document “{name}”. Read it; I will ask you about it.\n\n{body}"
+    ask(session, conversation, f"Read “{name}”" + (" (its beginning)" if cut else ""),
+        prompt=prompt)
+    conversation.title = f"Reading “{name}”"
+    return conversation

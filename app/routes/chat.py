@@ -22,6 +22,7 @@ from app.contract.chat import BASE, STREAM_TTL_S, stop_key
 from app.db import SessionDep, session_scope
 from app.services import projects as projects_service
 from app.services.errors import InvalidInput
+from app.services.uploads import display_name
 from app.settings import settings
 
 from .templating import is_htmx, render
@@ -45,9 +46,12 @@ def _page(request: Request, session, project, conversation=None, *, model_ref: s
     if conversation is not None:
         model_ref = BASE if conversation.job_id is None else str(conversation.job_id)
     choices = chat.model_choices(project)
+    readable = [d for d in project.documents if d.status == "extracted" and d.retired_at is None]
     context = {
         "project": project,
         "choices": choices,
+        "saved": chat.saved_contexts(session, project, user_id),
+        "documents": [(d.id, display_name(d.original_name)) for d in readable],
         "short_labels": {c.job_id: c.label.split(" ")[0] for c in choices},
         "model_label": next((c.label for c in choices if c.ref == model_ref), "?"),
         "model_ref": model_ref,
@@ -218,3 +222,36 @@ def ask_both(request: Request, group: str, session: SessionDep,
         session.rollback()
         return _compare_page(request, session, group[:32], exc.message, status_code=422)
     return RedirectResponse(f"/chat/compare/{group[:32]}", status_code=303)
+
+
+# Saved contexts
+
+
+@router.post("/chat/{conversation_id}/save", name="save_context")
+def save_context(request: Request, conversation_id: int, session: SessionDep,
+                 name: Annotated[str, Form()] = "") -> Response:
+    conversation = chat.get_conversation(session, conversation_id, _user_id(request))
+    try:
+        chat.save_context(session, conversation, name)
+    except InvalidInput as exc:
+        project = projects_service.get_project(session, conversation.project_id)
+        return _page(request, session, project, conversation, error=exc.message,
+                     status_code=422)
+    return RedirectResponse(f"/chat/{conversation.id}", status_code=303)
+
+
+@router.post("/chat/{conversation_id}/start", name="start_from_context")
+def start_from_context(request: Request, conversation_id: int, session: SessionDep) -> Response:
+    saved = chat.get_conversation(session, conversation_id, _user_id(request))
+    copy = chat.start_from(session, saved)
+    return RedirectResponse(f"/chat/{copy.id}", status_code=303)
+
+
+@router.post("/projects/{project_id}/chat/read", name="read_document")
+def read_document(request: Request, project_id: int, session: SessionDep,
+                  model: Annotated[str, Form()] = BASE,
+                  document_id: Annotated[int, Form()] = 0) -> Response:
+    """A conversation that starts by reading one whole document (to save as a context)."""
+    project = projects_service.get_project(session, project_id)
+    conversation = chat.read_document(session, project, _user_id(request), model, document_id)
+    return RedirectResponse(f"/chat/{conversation.id}", status_code=303)

@@ -32,6 +32,7 @@ def upgrade() -> None:
         sa.Column("origin", sa.String(8), nullable=False),
         sa.Column("use_documents", sa.Boolean(), server_default=sa.false(), nullable=False),
         sa.Column("compare_group", sa.String(32), nullable=True),
+        sa.Column("saved_as", sa.String(100), nullable=True),
         sa.Column("token_ids", sa.JSON(), nullable=False),
         sa.Column("created_at", sa.DateTime(), nullable=False),
         sa.Column("updated_at", sa.DateTime(), nullable=False),
@@ -92,16 +93,16 @@ def upgrade() -> None:
 
 
 SQLITE_FTS = (
-    "CREATE VIRTUAL TABLE passages_fts USING fts5(text, content='passages', "
-    "content_rowid='id', tokenize='porter unicode61')",
-    "CREATE TRIGGER passages_ai AFTER INSERT ON passages BEGIN "
-    "INSERT INTO passages_fts(rowid, text) VALUES (new.id, new.text); END",
-    "CREATE TRIGGER passages_ad AFTER DELETE ON passages BEGIN "
-    "INSERT INTO passages_fts(passages_fts, rowid, text) VALUES ('delete', old.id, old.text); "
-    "END",
-    "CREATE TRIGGER passages_au AFTER UPDATE ON passages BEGIN "
-    "INSERT INTO passages_fts(passages_fts, rowid, text) VALUES ('delete', old.id, old.text); "
-    "INSERT INTO passages_fts(rowid, text) VALUES (new.id, new.text); END",
+    ("CREATE VIRTUAL TABLE passages_fts USING fts5(text, content='passages', "
+     "content_rowid='id', tokenize='porter unicode61')"),
+    ("CREATE TRIGGER passages_ai AFTER INSERT ON passages BEGIN "
+     "INSERT INTO passages_fts(rowid, text) VALUES (new.id, new.text); END"),
+    ("CREATE TRIGGER passages_ad AFTER DELETE ON passages BEGIN "
+     "INSERT INTO passages_fts(passages_fts, rowid, text) VALUES ('delete', old.id, old.text); "
+     "END"),
+    ("CREATE TRIGGER passages_au AFTER UPDATE ON passages BEGIN "
+     "INSERT INTO passages_fts(passages_fts, rowid, text) VALUES ('delete', old.id, old.text); "
+     "INSERT INTO passages_fts(rowid, text) VALUES (new.id, new.text); END"),
 )
 
 

@@ -18,7 +18,7 @@ from app.contract.chat import ChatEvent, stop_key, stream_key
 from app.contract.tasks import CHAT_QUEUE
 from app.db import session_scope
 from app.main import create_app
-from app.models import JobState
+from app.models import JobState, Project
 from tests.app.web import local_client
 
 from .factories import htmx, make_job, make_project
@@ -254,7 +254,6 @@ def test_documents_put_the_best_passages_before_the_question(client, env):
 
 def test_the_search_takes_any_words_as_plain_text(client, env):
     from app.chat import passages
-    from app.models import Project
 
     project_id, ids = _project_with_texts(env, OFFICE)
     with session_scope() as session:
@@ -267,8 +266,8 @@ def test_the_search_takes_any_words_as_plain_text(client, env):
         [first, *_] = passages.search(session, project, "How much does the kettle hold?")
         assert first.document_id == ids["kettle.txt"]
         # A retired version of a file is not searched.
-        from app.models import Document
         from app.db import utcnow
+        from app.models import Document
 
         session.get(Document, ids["kettle.txt"]).retired_at = utcnow()
         session.flush()
@@ -308,3 +307,44 @@ def test_compare_asks_both_sides_the_same_question(client, env):
     assert "+ your documents" in page and page.count("data-reply-stream") == 2
     same = client.post(f"/projects/{project_id}/chat/compare", data={"a": "base", "b": "base"})
     assert same.status_code == 422 and "Choose two different models" in same.text
+
+
+def test_saving_a_context_and_reading_a_document(client, env):
+    from app.chat import service as chat_service
+
+    long_text = " ".join(f"word{i}" for i in range(3500))
+    project_id, ids = _project_with_texts(env, {**OFFICE, "long.txt": long_text})
+    r = client.post(f"/projects/{project_id}/chat/read",
+                    data={"model": "base", "document_id": str(ids["long.txt"])},
+                    follow_redirects=False)
+    conversation_id = int(r.headers["location"].rsplit("/", 1)[1])
+    with session_scope() as session:
+        conversation = session.get(Conversation, conversation_id)
+        question, reply = conversation.messages
+        assert conversation.title == "Reading “long.txt”"
+        assert question.content == "Read “long.txt” (its beginning)"  # as shown
+        words = question.prompt_content.split()  # as the model reads it: 3,000 words
+        assert "word2999" in words and "word3000" not in words
+    assert _queued_ids(env) == [reply.id]
+    # Not saved while the answer is pending, nor without a name.
+    r = client.post(f"/chat/{conversation_id}/save", data={"name": "Long"})
+    assert r.status_code == 422 and "Wait for the answer" in r.text
+    with session_scope() as session:
+        message = session.get(ChatMessage, reply.id)
+        message.state, message.content = ReplyState.done, "Read."
+        message.conversation.token_ids = [1, 2, 3]
+    assert client.post(f"/chat/{conversation_id}/save", data={"name": " "}).status_code == 422
+    assert client.post(f"/chat/{conversation_id}/save", data={"name": "Long"}).status_code == 200
+    r = client.post(f"/chat/{conversation_id}/start", follow_redirects=False)
+    copy_id = int(r.headers["location"].rsplit("/", 1)[1])
+    with session_scope() as session:
+        copy = session.get(Conversation, copy_id)
+        assert copy.token_ids == [1, 2, 3] and copy.saved_as is None
+        assert [(m.role, m.content, m.prompt_content) for m in copy.messages] == [
+            ("user", "Read “long.txt” (its beginning)", question.prompt_content),
+            ("assistant", "Read.", None)]
+        project = session.get(Project, copy.project_id)
+        saved = chat_service.saved_contexts(session, project, copy.user_id)
+        assert [c.saved_as for c in saved] == ["Long"]
+    # Starting from a conversation that is not saved is refused.
+    assert client.post(f"/chat/{copy_id}/start").status_code == 404

@@ -33,7 +33,7 @@ FOLLOW_UP = "And how do I book them?"
 
 def _version(tiny_base_model, tmp_path) -> tuple[int, int]:
     with session_scope() as session:
-        project = Project(name="Chat handbook")
+        project = Project(name=f"Chat handbook {tmp_path.name}")  # names are unique
         session.add(project)
         session.flush()
         job = Job(project=project, state=JobState.done, method="lora", params={},
@@ -150,3 +150,98 @@ def test_ask_stream_follow_up_and_the_base_model(live_server, chat_worker, chrom
             return store.match(full_history) == 0
 
     wait_for(gone, 30, "the deleted conversation's cache to go")
+
+
+def test_compare_with_and_without_documents_in_the_browser(live_server, chat_worker,
+                                                          chromium_path, tiny_base_model,
+                                                          tmp_path):
+    """The compare form: the version with the documents beside the version alone; the
+    documents side names its source, linked to the document's preview."""
+    from app.contract.documents import text_file
+    from app.models import DocStatus, Document
+
+    project_id, job_id = _version(tiny_base_model, tmp_path)
+    settings.documents_dir.mkdir(parents=True, exist_ok=True)
+    with session_scope() as session:
+        doc = Document(project_id=project_id, original_name="leave policy.txt",
+                       stored_name=f"{job_id}-leave.txt", kind="txt", size_bytes=60,
+                       sha256=f"{job_id:064d}", status=DocStatus.extracted, word_count=12,
+                       preview="Annual leave is 25 days a year.")
+        session.add(doc)
+        session.flush()
+        doc_id = doc.id
+    text_file(settings.documents_dir, f"{job_id}-leave.txt").write_text(
+        "Annual leave is 25 days a year, booked in the HR portal.", encoding="utf-8")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        add_session_cookie(page.context, live_server, role="member")
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.set_default_timeout(60_000)
+        page.goto(f"{live_server}/projects/{project_id}/chat")
+        page.click("text=Compare two models")
+        page.select_option("#compare-a", str(job_id))
+        page.select_option("#compare-b", str(job_id))
+        page.check("input[name=b_documents]")
+        page.fill("#compare-question", QUESTION)
+        page.click(".chat-compare-box button[type=submit]")
+        page.wait_for_url("**/chat/compare/*")
+        expect(page.locator(".msg-done")).to_have_count(2, timeout=120_000)
+        sides = page.locator(".compare-side")
+        assert "+ your documents" in sides.nth(1).locator("h2").inner_text()
+        assert sides.nth(0).locator(".msg-sources").count() == 0
+        link = sides.nth(1).locator(".msg-sources a")
+        assert link.inner_text() == "leave policy.txt"
+        link.click()
+        page.wait_for_url(f"**/projects/{project_id}#preview-{doc_id}")
+        browser.close()
+    assert errors == []
+
+
+def _wait_done(conversation_id: int, n: int) -> list[ChatMessage]:
+    def done():
+        replies = _replies(conversation_id)
+        return len(replies) == n and all(r.state == "done" for r in replies) and replies
+    return wait_for(done, 120, f"{n} answers in conversation {conversation_id}")
+
+
+def test_a_saved_context_starts_new_chats_with_the_document_already_read(
+        chat_worker, tiny_base_model, tmp_path):
+    """Read a document once, save the conversation, start two chats from it: each first
+    question restores the whole document's turn from the SSD instead of prefilling it."""
+    from app.contract.documents import text_file
+    from app.models import DocStatus, Document
+
+    project_id, job_id = _version(tiny_base_model, tmp_path)
+    settings.documents_dir.mkdir(parents=True, exist_ok=True)
+    body = " ".join(f"Rule {i}: expenses over {i * 10} euros need a receipt." for i in range(60))
+    with session_scope() as session:
+        doc = Document(project_id=project_id, original_name="expenses.txt",
+                       stored_name=f"{job_id}-expenses.txt", kind="txt", size_bytes=len(body),
+                       sha256=f"{job_id + 1:064d}", status=DocStatus.extracted)
+        session.add(doc)
+        session.flush()
+        doc_id = doc.id
+    text_file(settings.documents_dir, f"{job_id}-expenses.txt").write_text(body)
+    with local_client(create_app(), role=None, headers=signed_in_headers("member")) as client:
+        r = client.post(f"/projects/{project_id}/chat/read",
+                        data={"model": str(job_id), "document_id": str(doc_id)},
+                        follow_redirects=False)
+        reading = int(r.headers["location"].rsplit("/", 1)[1])
+        _wait_done(reading, 1)
+        read_ids = _conversation(reading).token_ids
+        assert len(read_ids) > 600  # the document is in the model's history
+        assert client.post(f"/chat/{reading}/save", data={"name": "Expenses"}).status_code == 200
+        page = client.get(f"/projects/{project_id}/chat").text
+        assert "Expenses" in page and f'action="/chat/{reading}/start"' in page
+        for question in ("Which expenses need a receipt?", "And under 10 euros?"):
+            r = client.post(f"/chat/{reading}/start", follow_redirects=False)
+            copy = int(r.headers["location"].rsplit("/", 1)[1])
+            assert _conversation(copy).token_ids == read_ids
+            client.post(f"/chat/{copy}/messages", data={"question": question})
+            _, answer = _wait_done(copy, 2)
+            # Nothing read again; the second chat restores a few ids more, which the first
+            # chat's question shares with its own (the chat template's "<|im_start|>user").
+            assert answer.stats["restored_tokens"] >= len(read_ids)
+            assert answer.stats["prompt_tokens"] - answer.stats["restored_tokens"] < 30
