@@ -63,6 +63,16 @@ def _replies(conversation_id: int) -> list[ChatMessage]:
                                       ChatMessage.role == "assistant").order_by(ChatMessage.id)))
 
 
+def _member_page(pw, chromium_path: str, live_server: str):
+    """Chromium signed in as the tests' member: (browser, page, the page's script errors)."""
+    browser = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
+    page = browser.new_page()
+    add_session_cookie(page.context, live_server, role="member")
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    return browser, page, errors
+
+
 def _first_question(page) -> int:
     """Ask QUESTION from the chat page's first form; the new conversation's id once its
     answer is shown."""
@@ -84,11 +94,7 @@ def test_ask_stream_follow_up_and_the_base_model(live_server, chat_worker, chrom
     tokenizer = AutoTokenizer.from_pretrained(tiny_base_model)
     base = AutoModelForCausalLM.from_pretrained(tiny_base_model, dtype=torch.float32).eval()
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        add_session_cookie(page.context, live_server, role="member")
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        browser, page, errors = _member_page(pw, chromium_path, live_server)
         streams: list[str] = []
         page.on("response", lambda r: streams.append(r.url) if "/events" in r.url else None)
         page.set_default_timeout(60_000)
@@ -173,11 +179,7 @@ def test_compare_with_and_without_documents_in_the_browser(live_server, chat_wor
     text_file(settings.documents_dir, f"{job_id}-leave.txt").write_text(
         "Annual leave is 25 days a year, booked in the HR portal.", encoding="utf-8")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium_path, args=CHROMIUM_ARGS)
-        page = browser.new_page()
-        add_session_cookie(page.context, live_server, role="member")
-        errors: list[str] = []
-        page.on("pageerror", lambda e: errors.append(str(e)))
+        browser, page, errors = _member_page(pw, chromium_path, live_server)
         page.set_default_timeout(60_000)
         page.goto(f"{live_server}/projects/{project_id}/chat")
         page.click("text=Compare two models")
