@@ -15,14 +15,11 @@ library versions, so a cache is only ever restored into the model that made it.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import inspect
 import logging
 import os
-import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import transformers
@@ -30,14 +27,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from offload.kvcache import KVStore, fingerprint
+from worker.files import model_digest
 
 log = logging.getLogger(__name__)
 
-# What a model folder's fingerprint covers: its weights and the configs that change the
-# arithmetic (LoRA's rank and alpha live in adapter_config.json). Not the tokenizer: the
-# cache is keyed by token ids.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-CONFIG_NAMES = ("config.json", "adapter_config.json")
 
 
 @dataclass
@@ -180,42 +173,6 @@ def save(store: KVStore | None, token_ids: list[int], cache: DynamicCache) -> in
         return 0
 
 
-_hashes: dict[tuple[str, int, int, int], str] = {}
-_hashes_lock = threading.Lock()
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 of a file's bytes, remembered by (path, inode, size, mtime_ns): a model's
-    weights are hashed once per process, not on every turn (~0.3 s for SmolLM2's 540 MB).
-    A file rewritten in place with its size and mtime kept would not be noticed."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    key = (real, st.st_ino, st.st_size, st.st_mtime_ns)
-    with _hashes_lock:
-        known = _hashes.get(key)
-    if known is not None:
-        return known
-    with open(real, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    with _hashes_lock:
-        _hashes[key] = digest
-    return digest
-
-
-def _folder_digest(folder: str | os.PathLike) -> str:
-    folder = Path(folder)
-    files = sorted(
-        p for p in folder.iterdir()
-        if p.is_file() and (p.name.endswith(WEIGHT_SUFFIXES) or p.name in CONFIG_NAMES)
-    )
-    if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
-        raise ValueError(f"{folder} holds no weights files")
-    h = hashlib.sha256()
-    for p in files:
-        h.update(f"{p.name}\0{file_sha256(p)}\n".encode())
-    return h.hexdigest()
-
-
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -229,8 +186,8 @@ def model_fingerprint(base_model_dir: str | os.PathLike, adapter_dir: str | os.P
     and config (None: no adapter), the dtype, torch / transformers / peft versions and the
     store's FORMAT_VERSION (fingerprint() adds it). Any change misses every cache."""
     return fingerprint(
-        base=_folder_digest(base_model_dir),
-        adapter=_folder_digest(adapter_dir) if adapter_dir is not None else None,
+        base=model_digest(base_model_dir),
+        adapter=model_digest(adapter_dir) if adapter_dir is not None else None,
         dtype=str(dtype).removeprefix("torch."),
         torch=torch.__version__,
         transformers=transformers.__version__,

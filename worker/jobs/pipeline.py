@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoTokenizer
 
 from worker.dataset.build import build_dataset
@@ -30,7 +31,7 @@ from worker.dataset.corpus import DatasetSplit, SourceDoc
 from worker.errors import UserFacingError
 from worker.export.card import model_card
 from worker.export.writers import export_all
-from worker.files import write_json_atomic
+from worker.files import model_digest, write_json_atomic
 from worker.jobs.model_handle import BaseModelHandle, open_base_model
 from worker.scoring.evaluate import evaluate
 from worker.scoring.previous import score_previous
@@ -100,6 +101,7 @@ def run_pipeline(
     start_model: Path | None = None,
     stream_base: str = "auto",
     device: str = "cpu",
+    scores_cache: Path | None = None,
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
@@ -123,6 +125,9 @@ def run_pipeline(
     disk instead of loaded (worker/training/streamed.py); "auto" streams a model whose float32
     weights take more than half of the free memory. The results are the same either way.
     `device` ("cpu", "cuda", "auto"): where the job computes (worker.training.resources.job_device).
+    `scores_cache`: a folder where the base model's "before" scores are kept across jobs, so a
+    retrain on the same documents (other epochs, learning rate, method) does not score the
+    base model again (see _before_key for what they are filed under).
     """
     hooks = hooks or Hooks()
     configure_threads()
@@ -139,7 +144,8 @@ def run_pipeline(
     )
 
     score = functools.partial(_score, tokenizer=tokenizer, split=split, batch=base.eval_batch)
-    before, previous = _score_base_model(base, tokenizer, split, job, workdir, hooks, score)
+    before, previous = _score_base_model(base, tokenizer, split, job, workdir, hooks, score,
+                                         scores_cache)
     recipe = _recipe(base, tokenizer, split, job, workdir, hooks)
     recipe.setup()
     try:
@@ -267,18 +273,28 @@ def _score_base_model(
     workdir: Path,
     hooks: Hooks,
     score: Callable[[torch.nn.Module], dict],
+    scores_cache: Path | None = None,
 ) -> tuple[dict, dict | None]:
     """What is measured on the base model, through its scoring engine: (its scores "before",
-    kept in before.json; the previous version's when the job continues an adapter, else
-    None). The replay answers, if any, join the training examples meanwhile."""
+    kept in before.json and in `scores_cache`; the previous version's when the job continues
+    an adapter, else None). The replay answers, if any, join the training examples meanwhile."""
     with base.scoring():
+        shared = _before_file(scores_cache, base.model_dir, job.data_key)
         cached = _read_json(workdir / "before.json")
         if cached and cached.get("key") == job.data_key:
             before = cached["scores"]
+        elif shared is not None and (kept := _read_json(shared)) and kept.get("key") == shared.stem:
+            hooks.on_phase("evaluating", "Scores before training: the same as an earlier job's "
+                                         "(same base model and documents)")
+            before = kept["scores"]
+            write_json_atomic(workdir / "before.json", {"key": job.data_key, "scores": before})
         else:
             hooks.on_phase("evaluating", f"Scoring before training ({len(split.probes)} probes)")
             before = score(base.model)
             write_json_atomic(workdir / "before.json", {"key": job.data_key, "scores": before})
+            if shared is not None:
+                shared.parent.mkdir(parents=True, exist_ok=True)
+                write_json_atomic(shared, {"key": shared.stem, "scores": before})
         _check_cancel(hooks)
         if job.replay_n:
             _add_replay(base.model, tokenizer, split, job, workdir, hooks, base.eval_batch)
@@ -294,6 +310,37 @@ def _score_base_model(
 
             previous = _previous_scores(workdir, job.job_key, hooks, measure)
     return before, previous
+
+
+# The code the "before" scores come out of: a change to any of these files files them anew.
+_SCORING_CODE = ("dataset", "scoring")
+
+
+@functools.cache
+def _scoring_code_digest() -> str:
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for folder in _SCORING_CODE:
+        for path in sorted((root / folder).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def _before_file(scores_cache: Path | None, model_dir: str, data_key: str) -> Path | None:
+    """Where the base model's "before" scores of this dataset are kept across jobs: filed
+    under the dataset (data_key: documents, sequence length, seed, dataset settings), the
+    base model's weights (worker/files.py model_digest), the code that builds the probes and
+    scores them, and the torch and transformers versions. None without a cache folder or for
+    a model that is not a local folder."""
+    if scores_cache is None or not Path(model_dir).is_dir():
+        return None
+    try:
+        weights = model_digest(model_dir)
+    except (OSError, ValueError):
+        return None
+    key = _fingerprint("before", data_key, weights, _scoring_code_digest(), torch.__version__,
+                       transformers.__version__)
+    return Path(scores_cache) / f"{key}.json"
 
 
 def _add_replay(model, tokenizer, split: DatasetSplit, job: _Job, workdir: Path, hooks: Hooks,

@@ -150,7 +150,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               start_adapter=plan.start_adapter,
                               start_model=plan.start_model,
                               stream_base=settings.stream_base_model,
-                              device=settings.device)
+                              device=settings.device,
+                              scores_cache=settings.data_dir / "cache" / "before-scores")
         record = JobResults.from_pipeline(result)  # each part in its app.contract shape
     except Cancelled:
         outcome = (JobState.cancelled, "Cancelled", None)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from offload.kvcache import KVStore
+from worker import files
 from worker.chat import kv
 
 NEW_TOKENS = 64
@@ -166,7 +167,7 @@ def test_file_hashes_are_remembered_by_size_and_mtime(tiny_base_model, tmp_path)
     first = kv.model_fingerprint(folder, None, torch.float32)
     weights = folder / "model.safetensors"
     st = weights.stat()
-    assert (os.path.realpath(weights), st.st_ino, st.st_size, st.st_mtime_ns) in kv._hashes
+    assert (os.path.realpath(weights), st.st_ino, st.st_size, st.st_mtime_ns) in files._hashes  # worker/files.py remembers it
     assert kv.model_fingerprint(folder, None, torch.float32) == first
     with open(weights, "r+b") as f:  # same size, new bytes, new mtime
         f.seek(-1, os.SEEK_END)

@@ -220,3 +220,31 @@ def test_replay_adds_the_base_models_own_answers(tiny_dir, tmp_path):
     assert any("everyday questions" in n for n in stats["notes"])
     pairs = json.loads((tmp_path / "replay.json").read_text())["pairs"]
     assert len(pairs) == 3
+
+
+def test_a_retrain_reuses_the_base_models_scores_and_another_base_does_not(
+        tiny_dir, tmp_path, smol_tokenizer):
+    """The "before" scores are filed under the dataset and the base model's weights: a second
+    job on the same documents with other training settings takes them from the cache instead
+    of scoring the base model again; another base model is scored."""
+    from tests.worker.models import save_tiny_model
+
+    cache = tmp_path / "before-scores"
+    first, second, other = Recorder(), Recorder(), Recorder()
+    a = run_pipeline(DOCS, params(), str(tiny_dir), tmp_path / "models", tmp_path / "a",
+                     first.hooks(), scores_cache=cache)
+    b = run_pipeline(DOCS, params(epochs=3, learning_rate=1e-3), str(tiny_dir),
+                     tmp_path / "models", tmp_path / "b", second.hooks(), scores_cache=cache)
+    scoring = [t for _s, t in first.phases if t.startswith("Scoring before training")]
+    assert scoring and not [t for _s, t in second.phases
+                            if t.startswith("Scoring before training")]
+    assert any("the same as an earlier job's" in t for _s, t in second.phases)
+    assert b["scores"]["before"] == a["scores"]["before"]
+    assert len(list(cache.glob("*.json"))) == 1
+
+    smol_tokenizer.save_pretrained(tmp_path / "tok")
+    other_base = save_tiny_model(tmp_path / "other-base", tokenizer_dir=tmp_path / "tok", seed=9)
+    run_pipeline(DOCS, params(), str(other_base), tmp_path / "models", tmp_path / "c",
+                 other.hooks(), scores_cache=cache)
+    assert [t for _s, t in other.phases if t.startswith("Scoring before training")]
+    assert len(list(cache.glob("*.json"))) == 2
