@@ -178,6 +178,10 @@ class Job(Base):
     scores: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     dataset: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     metrics: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # What the Train panel estimated when the job was queued ({"train_s", "steps"}): a
+    # finished job's measured phases against it calibrate the next estimates
+    # (app/services/planner.py).
+    estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     export_errors: Mapped[dict[str, str] | None] = mapped_column(JSON, default=None)  # kind -> why
     artifacts: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # kind -> file path
     error: Mapped[str | None] = mapped_column(Text, default=None)

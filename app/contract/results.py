@@ -35,6 +35,9 @@ class TrainingMetrics(BaseModel):
     final_loss: float | None = None
     steps: int = 0
     tokens: int = 0
+    # Wall seconds of each phase of the job: "before" (scoring the base model), "train",
+    # "after" (scoring the tuned model), "export"; what the next estimates learn from.
+    phase_s: dict[str, float] = Field(default_factory=dict)
 
 
 class ExportErrors(BaseModel):

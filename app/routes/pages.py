@@ -91,7 +91,8 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
         "reason": jobs_service.readiness(corpus),
         "defaults": defaults,
         "defaults_full": jobs_service.defaults_for(corpus, "full"),
-        "plan": planner.estimates_for(corpus, profile, load=False),
+        "plan": planner.estimates_for(corpus, profile, load=False,
+                                      history=planner.history(session)),
         "plan_pending": profile is None,
         "fields": fields,
         "train_errors": {},
@@ -277,6 +278,7 @@ def _job_context(job: Job) -> dict[str, Any]:
             if artifacts.get(kind)
         ],
         "download_hints": jobs_service.ARTIFACT_HINTS,
+        "phases": jobs_service.phase_times(job),
         "export_errors": sorted(export_errors(job.export_errors).items()),
         "sources": [
             documents_service.display_name(str(s.get("name", ""))) for s in job.sources or []

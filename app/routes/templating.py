@@ -12,7 +12,8 @@ from fastapi.responses import Response
 from jinja2_fragments.fastapi import Jinja2Blocks
 
 from app.lan import crosses_network_unencrypted
-from app.services.jobs import format_number, human_duration
+from app.services.durations import human_duration
+from app.services.jobs import format_number
 from app.services.uploads import human_size
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent.parent / "templates"

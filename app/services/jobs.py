@@ -21,6 +21,7 @@ from app.contract.tasks import TRAIN_TASK
 from app.contract.training import FIELDS, METHODS, default_params
 from app.models import Job, JobState, Project
 from app.queue import enqueue_after_commit
+from app.services import planner
 from app.services.documents import model_versions
 from app.services.errors import InvalidInput, NotFound
 from app.services.projects import Corpus, corpus_of
@@ -192,6 +193,7 @@ def create_job(
         sources=job_sources(corpus, parent),
         auto=auto,
         parent_job_id=parent.id if parent else None,
+        estimate=planner.estimate_record(corpus, params),  # what the Train panel said
     )
     session.add(job)
     session.flush()
@@ -248,18 +250,6 @@ def download_filename(job: Job, kind: str) -> str:
     """E.g. "Support-FAQ-job12-adapter.zip": ASCII only, so every browser keeps it."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "-", job.project.name).strip("-.")[:60] or "project"
     return f"{stem}-job{job.id}-{kind}.zip"
-
-
-def human_duration(seconds: float | None) -> str:
-    if seconds is None or not math.isfinite(seconds) or seconds < 0:
-        return "—"
-    if seconds < 60:
-        return "less than a minute"
-    minutes = round(seconds / 60)
-    if minutes < 90:
-        return f"about {minutes} min"
-    hours, minutes = divmod(minutes, 60)
-    return f"about {hours} h {minutes} min" if minutes else f"about {hours} h"
 
 
 @dataclass
@@ -377,3 +367,13 @@ def set_current_version(session: Session, job: Job) -> None:
         raise InvalidInput("Only a finished training job can be the current version.")
     job.project.current_job_id = job.id
     session.flush()
+
+
+PHASE_LABELS = {"before": "scoring the base model", "train": "training",
+                "after": "scoring the tuned model", "export": "downloads"}
+
+
+def phase_times(job: Job) -> list[tuple[str, float]]:
+    """How long each part of a finished job took, in order (what the next estimates use)."""
+    phases = (job.metrics or {}).get("phase_s") or {}
+    return [(label, float(phases[key])) for key, label in PHASE_LABELS.items() if key in phases]

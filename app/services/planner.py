@@ -25,9 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
 from app.contract.machine_profile import is_current
 from app.contract.training import METHODS, default_params
-from app.services.jobs import human_duration
+from app.models import Job, JobState
+from app.services.durations import human_duration
 from app.services.projects import Corpus
 from app.services.uploads import human_size
 from app.settings import settings
@@ -51,6 +55,8 @@ class Estimate:
     seconds: float | None = None  # None: no estimate (yet, or the model cannot train here)
     steps: int = 0
     streams: bool | None = None  # None: unknown
+    train_s: float | None = None  # of `seconds`, the training itself (from the profile)
+    based_on: int = 0  # finished jobs the figure was corrected with
 
 
 def load_profile(path: Path | None = None) -> dict[str, Any] | None:
@@ -105,23 +111,88 @@ def estimate(
     compute = float(plan["compute_s_per_step"]) * tokens / (batch * int(ref["seq_len"]))
     streams = not plan.get("fits_in_memory")
     per_step = max(compute, float(plan.get("io_s_per_step") or 0.0)) if streams else compute
-    seconds = steps * per_step
+    seconds = train_s = steps * per_step
     where = "Streams from the SSD" if streams else "Fits in memory"
     base = profile.get("base") or {}
     if base.get("streams"):  # larger than memory: scored through the SSD too
         seconds += float(base.get("scoring_s") or 0.0)
         streams = True
         where = "Base model larger than memory, streams from the SSD"
-    return Estimate(method, f"{where}: {human_duration(seconds)}", seconds, steps, streams)
+    return Estimate(method, f"{where}: {human_duration(seconds)}", seconds, steps, streams,
+                    train_s)
+
+
+# Learning from finished jobs: each job keeps the estimate made when it was queued
+# (Job.estimate) and its measured phases (Job.metrics["phase_s"]). The training estimate is
+# scaled by how the last jobs' training compared with their estimates (the median ratio, so
+# one odd job does not swing it), and the scoring and export phases, which the profile does
+# not predict, are added as those jobs measured them.
+HISTORY_JOBS = 3
+OTHER_PHASES = ("before", "after", "export")
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a finished job says about this machine's speed."""
+
+    method: str
+    estimated_train_s: float
+    train_s: float
+    other_s: float  # scoring before and after, and the exports
+
+
+def finished_record(job: Job) -> Finished | None:
+    """A done job's estimate against its measured phases; None when it lacks either."""
+    estimated = (job.estimate or {}).get("train_s")
+    phases = (job.metrics or {}).get("phase_s") or {}
+    if not estimated or not phases.get("train"):
+        return None
+    return Finished(job.method, float(estimated), float(phases["train"]),
+                    sum(float(phases.get(p) or 0.0) for p in OTHER_PHASES))
+
+
+def calibrated(est: Estimate, history: list[Finished]) -> Estimate:
+    """`est` corrected by the last finished jobs of its method (newest first)."""
+    mine = [h for h in history if h.method == est.method][:HISTORY_JOBS]
+    if est.train_s is None or not mine:
+        return est
+    ratios = sorted(h.train_s / h.estimated_train_s for h in mine)
+    middle = len(ratios) // 2
+    factor = ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2
+    other = sum(h.other_s for h in mine) / len(mine)
+    seconds = (est.seconds or 0.0) - est.train_s + est.train_s * factor + other
+    where = est.text.split(":", 1)[0]
+    jobs = "your last job" if len(mine) == 1 else f"your last {len(mine)} jobs"
+    return Estimate(est.method, f"{where}: {human_duration(seconds)} (based on {jobs})",
+                    seconds, est.steps, est.streams, est.train_s * factor, len(mine))
 
 
 def estimates_for(
-    corpus: Corpus, profile: Mapping[str, Any] | None = None, *, load: bool = True
+    corpus: Corpus, profile: Mapping[str, Any] | None = None, *, load: bool = True,
+    history: list[Finished] | None = None,
 ) -> dict[str, Estimate]:
-    """The estimate of each method with the settings DocTune would pick for `corpus`."""
+    """The estimate of each method with the settings DocTune would pick for `corpus`,
+    corrected by `history` (finished jobs, newest first) where there is one."""
     if profile is None and load:
         profile = load_profile()
     return {
-        m: estimate(corpus, default_params(corpus.n_words, corpus.n_qa, m), profile)
+        m: calibrated(estimate(corpus, default_params(corpus.n_words, corpus.n_qa, m), profile),
+                      history or [])
         for m in METHODS
     }
+
+
+def history(session: Session, limit: int = 20) -> list[Finished]:
+    """The newest finished jobs that recorded both an estimate and their phases."""
+    jobs = session.scalars(select(Job).where(Job.state == JobState.done,
+                                             Job.estimate.is_not(None))
+                           .order_by(Job.finished_at.desc(), Job.id.desc()).limit(limit))
+    return [r for j in jobs if (r := finished_record(j)) is not None]
+
+
+def estimate_record(corpus: Corpus, params: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a job being queued keeps of the estimate (Job.estimate), or None without one."""
+    est = estimate(corpus, params, load_profile())
+    if est.train_s is None:
+        return None
+    return {"train_s": round(est.train_s, 3), "steps": est.steps}

@@ -156,3 +156,54 @@ def test_no_estimate_while_training_cannot_start(client, profile_file):
         project_id = make_project(session).id
     page = client.get(f"/projects/{project_id}").text
     assert 'id="train-plan"' not in page
+
+
+# Learning from finished jobs ----------------------------------------------------------------
+
+
+def test_finished_jobs_correct_the_estimate_by_their_median_and_add_their_other_phases():
+    corpus = Corpus(n_words=10_000, n_qa=0)
+    plain = planner.estimates_for(corpus, PROFILE, load=False)["lora"]
+    assert plain.train_s == pytest.approx(886 * 2.0) and plain.based_on == 0
+    history = [  # newest first: training took 0.5x, 2x and 0.6x what was estimated
+        planner.Finished("lora", 1000.0, 500.0, 70.0),
+        planner.Finished("full", 1000.0, 9000.0, 500.0),  # another method: not used
+        planner.Finished("lora", 1000.0, 2000.0, 50.0),
+        planner.Finished("lora", 1000.0, 600.0, 90.0),
+        planner.Finished("lora", 1000.0, 5000.0, 999.0),  # a fourth: older than the last 3
+    ]
+    est = planner.estimates_for(corpus, PROFILE, load=False, history=history)["lora"]
+    assert est.seconds == pytest.approx(886 * 2.0 * 0.6 + (70 + 50 + 90) / 3)
+    assert est.text == "Fits in memory: about 19 min (based on your last 3 jobs)"
+    assert est.based_on == 3
+    one = planner.estimates_for(corpus, PROFILE, load=False, history=history[:1])["lora"]
+    assert one.seconds == pytest.approx(886 * 2.0 * 0.5 + 70)
+    assert one.text.endswith("(based on your last job)")
+
+
+def test_a_queued_job_keeps_the_estimate_and_a_finished_one_teaches_the_next(
+        client, env, profile_file):
+    from app.models import Job, JobState
+
+    with session_scope() as session:
+        project = make_project(session, "Calibrated")
+        make_document(session, project, word_count=2_000)
+        project_id = project.id
+    r = client.post(f"/projects/{project_id}/jobs", data={"method": "lora"},
+                    follow_redirects=False)
+    job_id = int(r.headers["location"].rsplit("/", 1)[1])
+    with session_scope() as session:
+        job = session.get(Job, job_id)
+        assert job.estimate["train_s"] > 0 and job.estimate["steps"] > 0
+        estimated = job.estimate["train_s"]
+        before = planner.estimates_for(Corpus(n_words=2_000, n_qa=0), PROFILE, load=False)
+        # The job ran: its training took twice the estimate, scoring and exports 120 s.
+        job.state = JobState.done
+        job.metrics = {"phase_s": {"before": 50.0, "train": 2 * estimated, "after": 50.0,
+                                   "export": 20.0}}
+    page = client.get(f"/projects/{project_id}").text
+    expected = planner.human_duration(2 * before["lora"].train_s + 120.0)
+    assert f"Fits in memory: {expected} (based on your last job)" in page
+    job_page = client.get(f"/jobs/{job_id}").text
+    assert "Took scoring the base model less than a minute, training " in job_page
+    assert "scoring the tuned model less than a minute, downloads less than a minute." in job_page

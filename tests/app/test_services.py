@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from app.services.durations import human_duration
 from app.services.errors import InvalidInput
-from app.services.jobs import format_number, human_duration, loss_chart, parse_train_form
+from app.services.jobs import format_number, loss_chart, parse_train_form
 from app.services.projects import clean_project_name
 from app.services.score_card import score_card, score_summary
 from app.services.uploads import display_name, human_size, stored_name_for

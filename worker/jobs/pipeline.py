@@ -12,6 +12,7 @@ memory) is behind one handle (worker.jobs.model_handle); the phases here do not 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -144,21 +145,29 @@ def run_pipeline(
     )
 
     score = functools.partial(_score, tokenizer=tokenizer, split=split, batch=base.eval_batch)
-    before, previous = _score_base_model(base, tokenizer, split, job, workdir, hooks, score,
-                                         scores_cache)
+    phases = _PhaseClock()
+    with phases("before"):
+        before, previous = _score_base_model(base, tokenizer, split, job, workdir, hooks, score,
+                                             scores_cache)
     recipe = _recipe(base, tokenizer, split, job, workdir, hooks)
     recipe.setup()
     try:
         if job.start_model is not None:  # scored through the training engine, before it trains
-            previous = _previous_scores(workdir, job.job_key, hooks, lambda: score(recipe.model))
-        train_metrics = _train(base, recipe, hooks)
+            with phases("before"):
+                previous = _previous_scores(workdir, job.job_key, hooks,
+                                            lambda: score(recipe.model))
+        with phases("train"):
+            train_metrics = _train(base, recipe, hooks)
         # "previous": the version this job started from, on the same probes (incremental).
-        scores = {"before": before, "after": _score_after(recipe, hooks, score)} | (
+        with phases("after"):
+            after = _score_after(recipe, hooks, score)
+        scores = {"before": before, "after": after} | (
             {"previous": previous} if previous is not None else {}
         )
-        artifacts, export_errors, resolved = _export(
-            recipe, tokenizer, base, job, docs, split, base_model, scores, workdir, hooks
-        )
+        with phases("export"):
+            artifacts, export_errors, resolved = _export(
+                recipe, tokenizer, base, job, docs, split, base_model, scores, workdir, hooks
+            )
     finally:
         base.release(recipe)
     result = {
@@ -167,10 +176,27 @@ def run_pipeline(
         "scores": scores,
         "artifacts": artifacts,
         "export_errors": export_errors,
-        "metrics": {k: train_metrics[k] for k in METRIC_KEYS},
+        "metrics": {k: train_metrics[k] for k in METRIC_KEYS} | {"phase_s": phases.seconds},
     }
     write_json_atomic(workdir / "result.json", {"key": job.job_key, "result": result})
     return result
+
+
+class _PhaseClock:
+    """Wall seconds per phase (a phase entered twice adds up); a resumed job counts what it
+    ran this time."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - started
+            self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 3)
 
 
 def _finished(workdir: Path, job_key: str) -> dict | None:

@@ -87,6 +87,10 @@ def test_lora_pipeline_end_to_end(lora_run):
     assert p["method"] == "lora" and p["seed"] == 0 and p["max_seq_len"] == 48
     assert p["total_steps"] == result["metrics"]["steps"] == len(rec.progress) > 0
     assert result["dataset"]["n_train_examples"] > 0 and result["dataset"]["n_train_qa"] > 0
+    phases = result["metrics"]["phase_s"]  # what the next estimates learn from
+    assert set(phases) == {"before", "train", "after", "export"}
+    assert all(s > 0 for s in phases.values())
+    assert phases["train"] >= result["metrics"]["train_seconds"] * 0.9
 
     for when in ("before", "after"):
         scores = result["scores"][when]
