@@ -279,6 +279,8 @@ def _job_context(job: Job) -> dict[str, Any]:
         ],
         "download_hints": jobs_service.ARTIFACT_HINTS,
         "phases": jobs_service.phase_times(job),
+        "time_left": (planner.time_left(job, planner.history(object_session(job)))
+                      if not finished else None),
         "export_errors": sorted(export_errors(job.export_errors).items()),
         "sources": [
             documents_service.display_name(str(s.get("name", ""))) for s in job.sources or []

@@ -139,6 +139,7 @@ class Finished:
     estimated_train_s: float
     train_s: float
     other_s: float  # scoring before and after, and the exports
+    after_s: float = 0.0  # of which after training: scoring the tuned model, the exports
 
 
 def finished_record(job: Job) -> Finished | None:
@@ -148,7 +149,8 @@ def finished_record(job: Job) -> Finished | None:
     if not estimated or not phases.get("train"):
         return None
     return Finished(job.method, float(estimated), float(phases["train"]),
-                    sum(float(phases.get(p) or 0.0) for p in OTHER_PHASES))
+                    sum(float(phases.get(p) or 0.0) for p in OTHER_PHASES),
+                    sum(float(phases.get(p) or 0.0) for p in ("after", "export")))
 
 
 def calibrated(est: Estimate, history: list[Finished]) -> Estimate:
@@ -196,3 +198,15 @@ def estimate_record(corpus: Corpus, params: Mapping[str, Any]) -> dict[str, Any]
     if est.train_s is None:
         return None
     return {"train_s": round(est.train_s, 3), "steps": est.steps}
+
+
+def time_left(job: Job, history: list[Finished]) -> float | None:
+    """A running job's wait to its score card: its training's own ETA (from its measured
+    steps) plus the scoring after training and the exports, as the last finished jobs took
+    them (their mean; nothing is added before any job has finished)."""
+    if job.eta_s is None:
+        return None
+    recent = [h for h in history if h.method == job.method][:HISTORY_JOBS] or history[
+        :HISTORY_JOBS]
+    rest = sum(h.after_s for h in recent) / len(recent) if recent else 0.0
+    return float(job.eta_s) + rest

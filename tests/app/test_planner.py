@@ -207,3 +207,24 @@ def test_a_queued_job_keeps_the_estimate_and_a_finished_one_teaches_the_next(
     job_page = client.get(f"/jobs/{job_id}").text
     assert "Took scoring the base model less than a minute, training " in job_page
     assert "scoring the tuned model less than a minute, downloads less than a minute." in job_page
+
+
+def test_time_left_adds_what_follows_training_as_the_last_jobs_took_it(client, env):
+    from app.models import Job, JobState
+
+    from .factories import make_job
+
+    with session_scope() as session:
+        project = make_project(session, "ETA")
+        for after, export in ((300.0, 60.0), (500.0, 100.0)):  # two finished jobs
+            make_job(session, project, JobState.done, estimate={"train_s": 100.0},
+                     metrics={"phase_s": {"before": 1.0, "train": 100.0, "after": after,
+                                          "export": export}})
+        running = make_job(session, project, JobState.running)  # its own ETA: 200 s
+        job_id = running.id
+        history = planner.history(session)
+        assert planner.time_left(session.get(Job, job_id), history) == pytest.approx(
+            200.0 + (360.0 + 600.0) / 2)
+    page = client.get(f"/jobs/{job_id}").text
+    assert "about 11 min" in page and "(training about 3 min" not in page
+    assert "(training 3 min, then scoring and downloads)" in page
