@@ -24,8 +24,15 @@ class ReplyState(enum.StrEnum):
         return self in (ReplyState.done, ReplyState.stopped, ReplyState.failed)
 
 
+# Ids are never reused (SQLite's AUTOINCREMENT; PostgreSQL's sequences never do): a reply's
+# Redis stream and Stop flag are named by its id (app/contract/chat.py), and a new reply
+# taking a deleted one's id would read the old reply's events.
+NEVER_REUSE_IDS = {"sqlite_autoincrement": True}
+
+
 class Conversation(Base):
     __tablename__ = "conversations"
+    __table_args__ = NEVER_REUSE_IDS
 
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(
@@ -57,6 +64,7 @@ class Conversation(Base):
 
 class ChatMessage(Base):
     __tablename__ = "chat_messages"
+    __table_args__ = NEVER_REUSE_IDS
 
     id: Mapped[int] = mapped_column(primary_key=True)
     conversation_id: Mapped[int] = mapped_column(

@@ -13,11 +13,12 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from sqlalchemy import delete
 
 from app.accounts.door import visitor_of
 from app.chat import openai as shapes
 from app.chat import service as chat
-from app.chat.models import ChatMessage
+from app.chat.models import ChatMessage, Conversation
 from app.chat.stream import follow
 from app.db import SessionDep, session_scope
 from app.services.errors import InvalidInput, NotFound
@@ -54,8 +55,15 @@ def _queue(user_id: int, wanted: shapes.ChatRequest) -> tuple[int, str]:
 
 
 def _finished(message_id: int) -> ChatMessage | None:
+    """The finished reply, read once: its request's conversation is then deleted (an API
+    call is stateless; the model's cache of its tokens stays on the SSD for the next)."""
     with session_scope() as session:
-        return session.get(ChatMessage, message_id)
+        message = session.get(ChatMessage, message_id)
+        if message is not None:
+            session.expunge(message)
+            session.execute(delete(Conversation).where(
+                Conversation.id == message.conversation_id, Conversation.origin == "api"))
+        return message
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -73,15 +81,16 @@ async def _stream(message_id: int, model: str, with_usage: bool) -> AsyncIterato
             yield _sse(shapes.chunk(message_id, model, {"content": event.text},
                                     created=created))
         elif event.kind == "error":
+            await run_in_threadpool(_finished, message_id)
             yield _sse({"error": {"message": event.text, "type": "server_error",
                                   "param": None, "code": None}})
             yield _sse("[DONE]")
             return
         elif event.kind == "done":
             finish = event.finish or "stop"
+    message = await run_in_threadpool(_finished, message_id)
     yield _sse(shapes.chunk(message_id, model, {}, finish, created=created))
     if with_usage:
-        message = await run_in_threadpool(_finished, message_id)
         yield _sse({**shapes.chunk(message_id, model, {}, created=created), "choices": [],
                     "usage": shapes.usage(message.stats if message else None)})
     yield _sse("[DONE]")
@@ -115,9 +124,9 @@ async def chat_completions(request: Request) -> Response:
             finish = event.finish
         elif event.kind == "error":
             failure = event.text
+    message = await run_in_threadpool(_finished, message_id)
     if failure is not None:
         return error(500, failure, kind="server_error")
-    message = await run_in_threadpool(_finished, message_id)
     return JSONResponse({
         "id": shapes.completion_id(message_id), "object": "chat.completion",
         "created": int(time.time()), "model": model,

@@ -43,6 +43,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["job_id"], ["jobs.id"], ondelete="CASCADE",
                                 name=op.f("fk_conversations_job_id_jobs")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_conversations")),
+        sqlite_autoincrement=True,  # ids never reused: they name Redis streams
     )
     for column in ("project_id", "user_id", "job_id", "compare_group"):
         op.create_index(op.f(f"ix_conversations_{column}"), "conversations", [column])
@@ -66,6 +67,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["conversation_id"], ["conversations.id"], ondelete="CASCADE",
                                 name=op.f("fk_chat_messages_conversation_id_conversations")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_chat_messages")),
+        sqlite_autoincrement=True,
     )
     op.create_index(op.f("ix_chat_messages_conversation_id"), "chat_messages",
                     ["conversation_id"])

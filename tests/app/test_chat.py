@@ -348,3 +348,19 @@ def test_saving_a_context_and_reading_a_document(client, env):
         assert [c.saved_as for c in saved] == ["Long"]
     # Starting from a conversation that is not saved is refused.
     assert client.post(f"/chat/{copy_id}/start").status_code == 404
+
+
+def test_a_deleted_replys_id_is_never_given_again(client, env):
+    """A reply's Redis stream is named by its id: a new reply taking a deleted one's id
+    would show the old reply's events (SQLite reuses the highest rowid unless told not to)."""
+    project_id, _ = _project_with_version()
+    seen = []
+    for _ in range(2):
+        r = client.post(f"/projects/{project_id}/chat", data={"model": "base", "question": "Q?"},
+                        follow_redirects=False)
+        conversation_id = int(r.headers["location"].rsplit("/", 1)[1])
+        [reply] = _replies()
+        seen.append((conversation_id, reply.id))
+        assert client.post(f"/chat/{conversation_id}/delete").status_code == 200
+    (c1, m1), (c2, m2) = seen
+    assert c2 > c1 and m2 > m1

@@ -9,12 +9,13 @@ import openai
 import pytest
 import torch
 from peft import PeftModel
-from sqlalchemy import select
+from sqlalchemy import func, select
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.accounts import service as accounts
 from app.accounts.models import ApiToken, User
 from app.accounts.tokens import token_hash
+from app.chat.models import Conversation
 from app.chat.openai import api_models
 from app.contract.chat import MAX_NEW_TOKENS
 from app.db import session_scope
@@ -94,6 +95,10 @@ def test_the_openai_client_lists_models_and_gets_replies(live_server, chat_worke
     # The same question again: its prompt comes back from the SSD cache, all but the last
     # token (which must be run to get the first reply token's logits).
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+    with session_scope() as session:  # each call's conversation is gone once it is answered
+        assert session.scalar(select(func.count()).select_from(Conversation)
+                              .where(Conversation.origin == "api")) == 0
 
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="no-such-model",
