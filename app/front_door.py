@@ -35,6 +35,7 @@ from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.contract.chat import openai_error
 from app.lan import LOOPBACK_NAMES, scheme
 from app.routes.templating import message_page
 from app.services.uploads import human_size
@@ -250,9 +251,7 @@ class FrontDoor:
         path = scope.get("path", "")
         response: Response
         if path.startswith("/v1/"):  # OpenAI's error shape, which its clients read
-            error = {"message": message, "type": "invalid_request_error", "param": None,
-                     "code": None}
-            response = JSONResponse({"error": error}, status_code=status)
+            response = JSONResponse(openai_error(status, message), status_code=status)
         elif path.startswith("/api/") or path == "/healthz":
             response = JSONResponse({"detail": message}, status_code=status)
         else:

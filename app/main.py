@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from app.accounts.door import SignInRequired, door
+from app.contract.chat import openai_error
 from app.front_door import FrontDoor, allowed_names
 from app.routes import accounts, admin, api, chat, openai_api, pages
 from app.routes.templating import message_page
@@ -39,11 +40,7 @@ def _wants_json(request: Request) -> bool:
 
 
 def _openai_error(status_code: int, message: str) -> JSONResponse:
-    """OpenAI's error shape, which its clients read the message from."""
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status_code, "server_error" if status_code >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": None}}, status_code=status_code)
+    return JSONResponse(openai_error(status_code, message), status_code=status_code)
 
 
 def _error(request: Request, status_code: int, message: str) -> Response:

@@ -60,3 +60,11 @@ class ReplyStats(BaseModel):
     new_tokens: int = Field(ge=0)
     first_token_s: float = Field(ge=0)
     tokens_per_s: float = Field(ge=0)
+
+
+def openai_error(status: int, message: str, code: str | None = None) -> dict:
+    """The body of an error from /v1 in OpenAI's shape, which its clients read the message
+    from (the web app's error handlers, its front door and the API routes all use it)."""
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

@@ -20,16 +20,15 @@ from app.chat import openai as shapes
 from app.chat import service as chat
 from app.chat.models import ChatMessage, Conversation
 from app.chat.stream import follow
+from app.contract.chat import openai_error
 from app.db import SessionDep, session_scope
 from app.services.errors import InvalidInput, NotFound
 
 router = APIRouter()
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error",
-          code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": code}}, status_code=status)
+def error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(openai_error(status, message, code), status_code=status)
 
 
 @router.get("/v1/models")
@@ -82,8 +81,7 @@ async def _stream(message_id: int, model: str, with_usage: bool) -> AsyncIterato
                                     created=created))
         elif event.kind == "error":
             await run_in_threadpool(_finished, message_id)
-            yield _sse({"error": {"message": event.text, "type": "server_error",
-                                  "param": None, "code": None}})
+            yield _sse(openai_error(500, event.text))
             yield _sse("[DONE]")
             return
         elif event.kind == "done":
@@ -126,7 +124,7 @@ async def chat_completions(request: Request) -> Response:
             failure = event.text
     message = await run_in_threadpool(_finished, message_id)
     if failure is not None:
-        return error(500, failure, kind="server_error")
+        return error(500, failure)
     return JSONResponse({
         "id": shapes.completion_id(message_id), "object": "chat.completion",
         "created": int(time.time()), "model": model,

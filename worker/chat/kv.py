@@ -121,13 +121,7 @@ def prefill(model, store: KVStore | None, token_ids: list[int]) -> Prefilled:
         except Exception:  # the cache is an optimisation: prefill it all
             log.exception("kv cache: restoring failed; prefilling the whole history")
             cache, restored = DynamicCache(config=model.config), 0
-    device, _ = _device_dtype(model)
-    name, keep = _forward_kwargs(model)
-    kwargs = {name: cache, "use_cache": True}
-    if keep:
-        kwargs["logits_to_keep"] = 1
-    out = model(input_ids=torch.tensor([ids[restored:]], device=device), **kwargs)
-    logits = out.logits[0, -1].float()
+    logits = extend(model, cache, ids[restored:])
     return Prefilled(cache, logits, restored, len(ids) - restored)
 
 
