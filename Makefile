@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: up test test-fast lint bench bench-hostile bench-chat clean-venv browser
+.PHONY: up test test-fast lint bench bench-hostile bench-chat bench-estimate clean-venv browser
 
 $(VENV)/.app-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ bench-hostile: $(VENV)/.test-installed
 bench-chat: $(VENV)/.test-installed
 	@model="$$($(PY) -c 'from app.settings import settings; from worker.training.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
 	  && $(PY) -m scripts.bench_chat --model-dir "$$model" $(BENCH_ARGS)
+
+# The Train panel's estimate against the real time to score card (README "How long it
+# takes"): real jobs, LoRA and full, on three corpora; hours on 2 cores (the 20,000-word
+# corpus most of them). BENCH_ARGS="--corpora fixture --methods lora" for one job (~15 min).
+bench-estimate: $(VENV)/.test-installed
+	$(PY) -m scripts.bench_estimate $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -91,6 +91,9 @@ class Project(Base):
     # The tuned version in use (a done job of this project); None: the latest done job.
     # No foreign key: projects and jobs would reference each other.
     current_job_id: Mapped[int | None] = mapped_column(Integer, default=None)
+    # The training work its documents make ({"plan": app.contract.dataset_plan's shape or
+    # None, "requested": {"key", "at"}}): counted by the worker, read by the Train panel.
+    dataset_plan: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
 
     documents: Mapped[list[Document]] = relationship(
         back_populates="project", cascade="all, delete-orphan", order_by="Document.id"

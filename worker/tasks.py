@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.contract.tasks import CHAT_FORGET_TASK, CHAT_TASK, INGEST_TASK, TRAIN_TASK
+from app.contract.tasks import CHAT_FORGET_TASK, CHAT_TASK, INGEST_TASK, PLAN_TASK, TRAIN_TASK
 from worker.celery_app import celery
 
 
@@ -35,3 +35,11 @@ def chat_forget(job_id: int | None, token_ids: list[int]) -> int:
     from worker.chat.reply import forget
 
     return forget(job_id, token_ids)
+
+
+@celery.task(name=PLAN_TASK)
+def plan_dataset(project_id: int, params: dict) -> str | None:
+    """Count the training work of a project's documents for the Train panel's estimate."""
+    from worker.jobs.dataset_plan import plan_project
+
+    return plan_project(project_id, params)

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Raise it when the shape below changes in a way an older reader cannot follow.
-FORMAT = 1
+FORMAT = 2  # 2: the timed run of the real model (steps)
 
 
 class _Part(BaseModel):
@@ -63,6 +63,30 @@ class StreamedBase(_Part):
     scoring_s: float = 0.0
 
 
+class StepFit(_Part):
+    """A timed run of the real base model through the offload engine, one method
+    (worker/training/step_timing.py): a step of `rows` examples padded to `width` tokens
+    takes fixed_s + s_per_flop * rows * width * (linear + attention * width) seconds, with
+    (linear, attention) = flops_per_token."""
+
+    measured: list[tuple[int, int, float]]  # (rows, width, seconds) of the steps timed
+    fixed_s: float
+    s_per_flop: float
+    flops_per_token: tuple[float, float]
+
+    def seconds(self, rows: int, width: int) -> float:
+        linear, attention = self.flops_per_token
+        return self.fixed_s + self.s_per_flop * rows * width * (linear + attention * width)
+
+
+class Scoring(_Part):
+    """The real base model timed at scoring's shapes (worker/training/step_timing.py)."""
+
+    decode_s: float  # per generated token of a batch of 8 prompts (prefill included)
+    forward_s: float  # per forward of 8 x 256 tokens (perplexity)
+    general_forwards: int  # forwards of the forgetting check
+
+
 class MachineProfile(_Part):
     format: int
     measured_at: str
@@ -73,6 +97,10 @@ class MachineProfile(_Part):
     reference: Reference
     methods: dict[str, MethodPlan]  # "lora", "full" (app.contract.training.METHODS)
     base: StreamedBase = Field(default_factory=StreamedBase)
+    # Method -> its timed run; none for a base model streamed from the disk (too slow to
+    # time at start: its estimate is offload.plan's, above).
+    steps: dict[str, StepFit] = Field(default_factory=dict)
+    scoring: Scoring | None = None
 
 
 def checked_profile(data: Mapping[str, Any]) -> dict[str, Any]:

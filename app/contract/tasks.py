@@ -10,6 +10,9 @@ INGEST_TASK = "doctune.ingest_document"  # (document id)
 TRAIN_TASK = "doctune.train_job"  # (job id)
 CHAT_TASK = "doctune.chat_reply"  # (chat message id)
 CHAT_FORGET_TASK = "doctune.chat_forget"  # (job id or None, the conversation's token ids)
+# (project id, the settings the dataset is planned with): app.contract.dataset_plan
+PLAN_TASK = "doctune.plan_dataset"
 
 ROUTES = {INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE},
-          CHAT_TASK: {"queue": CHAT_QUEUE}, CHAT_FORGET_TASK: {"queue": CHAT_QUEUE}}
+          CHAT_TASK: {"queue": CHAT_QUEUE}, CHAT_FORGET_TASK: {"queue": CHAT_QUEUE},
+          PLAN_TASK: {"queue": INGEST_QUEUE}}

@@ -79,6 +79,7 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
         }
     jobs = jobs_service.job_rows(project)
     profile = planner.load_profile()  # None until the training worker has measured the machine
+    counting = planner.ask_for_plan(project, corpus)  # the steps of this corpus, counted
     context: dict[str, Any] = {
         "project": project,
         "corpus": corpus,
@@ -92,8 +93,10 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
         "defaults": defaults,
         "defaults_full": jobs_service.defaults_for(corpus, "full"),
         "plan": planner.estimates_for(corpus, profile, load=False,
-                                      history=planner.history(session)),
-        "plan_pending": profile is None,
+                                      history=planner.history(session), project=project),
+        "plan_pending": profile is None or counting,  # the panel asks again shortly
+        "profile_pending": profile is None,
+        "plan_counting": counting,
         "fields": fields,
         "train_errors": {},
         "train_values": {},

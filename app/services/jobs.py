@@ -193,7 +193,7 @@ def create_job(
         sources=job_sources(corpus, parent),
         auto=auto,
         parent_job_id=parent.id if parent else None,
-        estimate=planner.estimate_record(corpus, params),  # what the Train panel said
+        estimate=planner.estimate_record(project, corpus, params),  # what the Train panel said
     )
     session.add(job)
     session.flush()
@@ -369,11 +369,8 @@ def set_current_version(session: Session, job: Job) -> None:
     session.flush()
 
 
-PHASE_LABELS = {"before": "scoring the base model", "train": "training",
-                "after": "scoring the tuned model", "export": "downloads"}
-
-
 def phase_times(job: Job) -> list[tuple[str, float]]:
     """How long each part of a finished job took, in order (what the next estimates use)."""
     phases = (job.metrics or {}).get("phase_s") or {}
-    return [(label, float(phases[key])) for key, label in PHASE_LABELS.items() if key in phases]
+    return [(label, float(phases[key])) for key, label in planner.PHASE_LABELS.items()
+            if key in phases]

@@ -7,16 +7,19 @@ import math
 
 import pytest
 
+from app.contract.dataset_plan import FORMAT as PLAN_FORMAT
+from app.contract.dataset_plan import checked_plan
+from app.contract.machine_profile import FORMAT
 from app.db import session_scope
 from app.services import planner
-from app.services.projects import Corpus
+from app.services.projects import Corpus, corpus_of
 from app.settings import settings
 
 from .factories import htmx, make_document, make_project
 
 # As worker/training/machine_profile.py writes it: LoRA fits in memory, full fine-tuning streams.
 PROFILE = {
-    "format": 1,
+    "format": FORMAT,
     "measured_at": "2025-01-01T00:00:00+00:00",
     "base_model": "embedded",
     "budget_bytes": 2 << 30,
@@ -82,12 +85,16 @@ def test_a_base_model_larger_than_memory_adds_its_scoring_time():
     big = json.loads(json.dumps(PROFILE))
     big["base"] = {"fp32_bytes": 30 << 30, "streams": True, "scoring_s": 3600.0}
     est = planner.estimates_for(corpus, big, load=False)
+    # The downloads scale with the weights too: about 3,250 FLOP-equivalents per byte here.
+    export = planner.EXPORT_WORK_PER_BYTE * (30 << 30) / 2e11
     for method in ("lora", "full"):
-        assert est[method].seconds == pytest.approx(plain[method].seconds + 3600.0)
+        assert est[method].phases["export"] == pytest.approx(export)
+        assert est[method].seconds == pytest.approx(plain[method].seconds + 3600.0 + export)
         assert est[method].streams is True
         assert est[method].text.startswith("Base model larger than memory, streams from the SSD")
     big["base"]["streams"] = False  # measured as fitting: nothing added
-    assert planner.estimates_for(corpus, big, load=False)["lora"].seconds == plain["lora"].seconds
+    assert planner.estimates_for(corpus, big, load=False)["lora"].seconds == pytest.approx(
+        plain["lora"].seconds + export)
 
 
 def test_without_a_profile_or_a_fitting_budget():
@@ -101,6 +108,71 @@ def test_without_a_profile_or_a_fitting_budget():
     assert full.text == (
         "Too large for this machine: needs about 5.0 GB of memory, DocTune may use 2.0 GB."
     )
+
+
+# A timed run of the real model (worker/training/step_timing.py): a step of rows x width
+# tokens takes 1 + 1e-9 * rows * width * (3e8 + 1e6 * width) seconds.
+TIMED = {"measured": [[4, 64, 1.0], [4, 128, 1.0], [4, 256, 1.0]], "fixed_s": 1.0,
+         "s_per_flop": 1e-9, "flops_per_token": [3e8, 1e6]}
+
+
+def _step_s(rows: int, width: int) -> float:
+    return 1.0 + 1e-9 * rows * width * (3e8 + 1e6 * width)
+
+
+def _counted(shapes: list[tuple[int, int, int]], key: str = "k") -> object:
+    steps = sum(n for *_, n in shapes)
+    return checked_plan({"format": PLAN_FORMAT, "key": key, "examples": 4 * steps, "chunks": 1,
+                         "qa": 0, "practice": 0, "replay": 0, "probes": 0, "questions": 0,
+                         "heldout_chunks": 0, "heldout_qa": 0, "epochs": 1,
+                         "steps": steps, "tokens": 1, "shapes": shapes})
+
+
+def test_a_timed_run_and_a_counted_plan_give_the_time_step_by_step():
+    timed = json.loads(json.dumps(PROFILE)) | {"steps": {"lora": TIMED}}
+    corpus = Corpus(n_words=10_000, n_qa=0)
+    params = planner.default_params(10_000, 0, "lora")
+    shapes = [(4, 60, 100), (4, 250, 10), (2, 90, 1)]
+    est = planner.estimate(corpus, params, timed, _counted(shapes))
+    assert est.steps == 111 and est.counted
+    assert est.train_s == pytest.approx(100 * _step_s(4, 60) + 10 * _step_s(4, 250)
+                                        + _step_s(2, 90))
+    # Without the plan: the rule of thumb's steps (886), each at the fit's time for 4 x 256.
+    guessed = planner.estimate(corpus, params, timed)
+    assert guessed.steps == 886 and not guessed.counted
+    assert guessed.train_s == pytest.approx(886 * _step_s(4, 256))
+    # Full fine-tuning was not timed: offload.plan's per-step figures, at least the disk time.
+    full = planner.estimate(corpus, params | {"method": "full"}, timed, _counted(shapes))
+    assert full.train_s == pytest.approx(111 * 20.0)
+
+
+def test_the_plan_is_asked_for_once_the_documents_are_read_and_waited_for_a_while(env):
+    from app.models import DocStatus
+
+    with session_scope() as session:
+        project = make_project(session)
+        doc = make_document(session, project, word_count=500)
+        corpus = planner.Corpus(n_words=500, usable=[doc])
+        params = planner.default_params(500, 0, "lora")
+        key = planner.dataset_key(corpus, params)
+        pending = planner.Corpus(n_words=500, usable=[doc], n_pending=1)
+        assert planner.plan_request(project, pending, params, 0.0) == (None, False)
+        assert planner.plan_request(project, corpus, params, 0.0) == (key, False)
+        assert planner.ask_for_plan(project, corpus, now=1000.0) is True  # asked: counting
+        assert project.dataset_plan["requested"] == {"key": key, "at": 1000.0}
+        assert planner.plan_request(project, corpus, params, 1000.0 + 60) == (None, True)
+        # No answer after PLAN_WAIT_S: the rule of thumb, and no new request for a while.
+        assert planner.plan_request(project, corpus, params, 1000.0 + 200) == (None, False)
+        assert planner.plan_request(project, corpus, params, 1000.0 + 700) == (key, False)
+        # Counted: nothing more to ask, and the estimate uses it.
+        project.dataset_plan = {"plan": _counted([(4, 60, 7)], key).model_dump()}
+        assert planner.plan_request(project, corpus, params, 2000.0) == (None, False)
+        assert planner.dataset_plan(project, corpus, params).steps == 7
+        # Another document (or an edit: another content hash): that plan is stale.
+        other = make_document(session, project, word_count=100)
+        more = planner.Corpus(n_words=600, usable=[doc, other])
+        assert planner.dataset_plan(project, more, params) is None
+        assert doc.status == DocStatus.extracted
 
 
 def test_unreadable_or_old_profiles_count_as_missing(env):
@@ -133,22 +205,42 @@ def test_train_panel_says_estimating_and_polls_until_the_profile_exists(client):
     assert (
         "Estimating this machine&#39;s speed…" in page or "Estimating this machine's speed…" in page
     )
-    assert 'id="train-plan"' in page and 'hx-trigger="load delay:5s"' in page
+    assert 'id="train-plan"' in page and 'hx-trigger="load delay:3s"' in page
 
     fragment = client.get(f"/projects/{project_id}", headers=htmx("train-plan")).text
     assert fragment.lstrip().startswith('<div id="train-plan"')
     assert "Add documents" not in fragment and "<html" not in fragment
 
 
-def test_train_panel_shows_both_methods_once_measured(client, profile_file):
+def _panel(page: str) -> str:
+    return page[page.index('id="train-plan"') : page.index("</dl>", page.index('id="train-plan"'))]
+
+
+def test_train_panel_shows_both_methods_once_measured_then_counted(client, profile_file):
+    from app.models import Project
+
     project_id = _project_with_text()
     page = client.get(f"/projects/{project_id}").text
-    assert "Training time on this machine" in page
+    assert "Time to the score card on this machine" in page
+    # A first guess while the worker counts the dataset plan (asked for by this view).
     assert "Fits in memory: about 30 min" in page
     assert "Streams from the SSD: about 4 h 55 min" in page
-    plan = page[page.index('id="train-plan"') : page.index("</dl>", page.index('id="train-plan"'))]
-    assert "hx-trigger" not in plan  # measured: no more polling
-    assert '<div class="chosen"><dt>LoRA</dt>' in plan
+    panel = _panel(page)
+    assert "counting the work in your documents" in panel and "hx-trigger" in panel
+    assert '<div class="chosen"><dt>LoRA</dt>' in panel
+    with session_scope() as session:  # what the worker writes (worker/jobs/dataset_plan.py)
+        project = session.get(Project, project_id)
+        corpus = corpus_of(project)
+        key = planner.dataset_key(corpus, planner.default_params(10_000, 0, "lora"))
+        assert project.dataset_plan["requested"]["key"] == key
+        project.dataset_plan = {**project.dataset_plan,
+                                "plan": _counted([(4, 64, 400)], key).model_dump()}
+    panel = _panel(client.get(f"/projects/{project_id}", headers=htmx("train-plan")).text)
+    assert "hx-trigger" not in panel and "counting" not in panel  # counted: no more polling
+    # 400 steps of 4 x 64 tokens: a quarter of the reference step's 2 s each (LoRA); full
+    # fine-tuning streams, at least the 20 s disk time per step.
+    assert "Fits in memory: about 3 min" in panel
+    assert "Streams from the SSD: about 2 h 13 min" in panel
 
 
 def test_no_estimate_while_training_cannot_start(client, profile_file):
@@ -228,3 +320,42 @@ def test_time_left_adds_what_follows_training_as_the_last_jobs_took_it(client, e
     page = client.get(f"/jobs/{job_id}").text
     assert "about 11 min" in page and "(training about 3 min" not in page
     assert "(training 3 min, then scoring and downloads)" in page
+
+
+# The whole wait: scoring before and after from the profile's timed generation ------------
+
+SCORING = {"decode_s": 0.05, "forward_s": 0.5, "general_forwards": 3}
+
+
+def test_scoring_phases_follow_the_plan_and_kept_scores_skip_the_base_models():
+    from app.models import JobState
+
+    from .factories import make_job
+
+    timed = json.loads(json.dumps(PROFILE)) | {"steps": {"lora": TIMED}, "scoring": SCORING}
+    with session_scope() as session:
+        project = make_project(session, "Phases")
+        doc = make_document(session, project, word_count=500)
+        corpus = planner.Corpus(n_words=500, usable=[doc])
+        params = planner.default_params(500, 0, "lora")
+        counted = _counted([(4, 64, 10)]).model_copy(
+            update={"probes": 40, "questions": 33, "heldout_chunks": 2, "heldout_qa": 9,
+                    "replay": 16})
+        est = planner.estimate(corpus, params, timed, counted)
+        # 5 batches of completions (24 tokens), 5 of questions (48), 2 of held-out pairs (24),
+        # 1 forward of held-out text and 3 of the forgetting check; before training also the
+        # replay answers: 2 batches of 96 tokens.
+        side = 0.05 * (24 * 5 + 48 * 5 + 24 * 2) + 0.5 * (1 + 3)
+        assert est.phases == pytest.approx({"before": side + 0.05 * 96 * 2, "train": est.train_s,
+                                            "after": side, "export": 0.0})
+        assert est.seconds == pytest.approx(sum(est.phases.values()))
+        assert est.breakdown().startswith("scoring the base model less than a minute, training ")
+        assert not planner.before_is_cached(session, corpus, params)
+        # A finished job from the base model on the same documents and settings: its "before"
+        # scores are kept, so only the replay answers are made before training.
+        make_job(session, project, JobState.done, params=dict(params),
+                 sources=[{"id": doc.id, "name": doc.original_name, "sha256": doc.sha256}])
+        assert planner.before_is_cached(session, corpus, params)
+        assert not planner.before_is_cached(session, corpus, params | {"max_seq_len": 512})
+        kept = planner.estimates_for(corpus, timed, load=False, project=project)["lora"]
+        assert kept.before_cached and kept.phases["before"] == pytest.approx(0.05 * 96 * 2)

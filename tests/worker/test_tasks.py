@@ -106,12 +106,40 @@ def test_worker_extracts_uploads_and_marks_failures(tmp_path):
     assert blank.status == DocStatus.failed and "No text" in blank.error
 
 
+def _counted_plan(project_id: int):
+    """Ask for the project's dataset plan as its page does; wait for the worker's count."""
+    from app.models import Project
+    from app.services import planner
+    from app.services.projects import corpus_of
+
+    with session_scope() as s:
+        assert planner.ask_for_plan(s.get(Project, project_id), corpus_of(s.get(Project, project_id)))
+
+    def counted():
+        with session_scope() as s:
+            project = s.get(Project, project_id)
+            corpus = corpus_of(project)
+            return planner.dataset_plan(project, corpus,
+                                        planner.default_params(corpus.n_words, corpus.n_qa))
+    plan = wait_for(counted, 60, "the dataset plan")
+    wait_for(planner.load_profile, 120, "the machine profile")  # the estimate needs both
+    return plan
+
+
 def test_a_job_trains_scores_and_exports(tmp_path):
     pid = _ready_project(tmp_path, "train")
-    job_id = _train(pid, epochs="2")
+    plan = _counted_plan(pid)  # the Train button's settings, counted by the worker
+    job_id = _train(pid)
     job = _wait_state(job_id, {JobState.done, JobState.failed})
     assert job.state == JobState.done, job.error
     assert job.step == job.total_steps > 0
+    # The plan counted the job's own dataset: the same examples and (the tiny model's replay
+    # answers being as many as the plan counted) the same steps.
+    stats = job.dataset
+    assert job.estimate["counted"] and job.estimate["steps"] == plan.steps
+    assert plan.examples - plan.replay == stats["n_train_examples"] - stats["n_train_replay"]
+    if stats["n_train_replay"] == plan.replay:
+        assert plan.steps == job.total_steps
     assert len(job.loss_history) >= 2
     before, after = job.scores["before"], job.scores["after"]
     assert before["n_probes"] == after["n_probes"] > 0
@@ -136,6 +164,10 @@ def test_the_worker_measures_the_machine_for_the_estimates():
     assert profile["base_model"] == settings.base_model
     assert profile["disk"]["read_gbps"] > 0 and profile["cpu"]["matmul_flops"] > 0
     assert profile["methods"]["lora"]["fits"] and profile["methods"]["full"]["fits"]
+    for method in ("lora", "full"):  # the real (tiny) model timed through the offload engine
+        timed = profile["steps"][method]
+        assert [(r, w) for r, w, _ in timed["measured"]] == [(4, 64), (4, 128), (4, 256)]
+        assert all(s > 0 for *_, s in timed["measured"]) and timed["s_per_flop"] > 0
 
 
 def test_jobs_queue_one_after_another_and_cancel_works(tmp_path):

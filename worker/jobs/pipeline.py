@@ -73,7 +73,7 @@ def _check_cancel(hooks: Hooks) -> None:
 
 
 @dataclass
-class _Job:
+class JobSettings:
     """What one run is, decided from its inputs before anything is loaded."""
 
     config: TrainConfig
@@ -135,7 +135,7 @@ def run_pipeline(
     dev = job_device(device)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    job = _plan(docs, params, base_model, start_adapter, start_model)
+    job = job_settings(docs, params, base_model, start_adapter, start_model)
     done = _finished(workdir, job.job_key)
     if done is not None:
         return done
@@ -217,7 +217,7 @@ def _prepare(
     docs: list[SourceDoc],
     base_model: str,
     models_dir: Path,
-    job: _Job,
+    job: JobSettings,
     hooks: Hooks,
     stream_base: str,
     device: torch.device,
@@ -228,7 +228,7 @@ def _prepare(
     hooks.on_phase("running", "Preparing the base model")
     model_dir = resolve_base_model(base_model, models_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    split = _dataset(docs, tokenizer, job)
+    split = job_dataset(docs, tokenizer, job)
     _check_cancel(hooks)
     base = open_base_model(
         model_dir, stream_base, device, budget_bytes, swap_dir, eval_cap=STREAMED_EVAL_BATCH
@@ -238,13 +238,13 @@ def _prepare(
     return tokenizer, split, base
 
 
-def _plan(
+def job_settings(
     docs: list[SourceDoc],
     params: dict,
     base_model: str,
     start_adapter: Path | None,
     start_model: Path | None,
-) -> _Job:
+) -> JobSettings:
     """The run's settings and the keys its cached results are filed under; refuses in words
     a job with nothing to train on or an impossible start."""
     if not any((d.text or "").strip() or d.qa_pairs for d in docs):
@@ -267,7 +267,7 @@ def _plan(
     replay_n = int(params.get(REPLAY_KEY) or 0)
     if replay_n:
         job_key = _fingerprint(job_key, REPLAY_KEY, replay_n)
-    return _Job(
+    return JobSettings(
         config,
         dataset_args,
         data_key,
@@ -278,7 +278,7 @@ def _plan(
     )
 
 
-def _dataset(docs: list[SourceDoc], tokenizer, job: _Job) -> DatasetSplit:
+def job_dataset(docs: list[SourceDoc], tokenizer, job: JobSettings) -> DatasetSplit:
     config = job.config
     split = build_dataset(
         docs, tokenizer, max_seq_len=config.max_seq_len, seed=config.seed, **job.dataset_args
@@ -295,7 +295,7 @@ def _score_base_model(
     base: BaseModelHandle,
     tokenizer,
     split: DatasetSplit,
-    job: _Job,
+    job: JobSettings,
     workdir: Path,
     hooks: Hooks,
     score: Callable[[torch.nn.Module], dict],
@@ -369,7 +369,7 @@ def _before_file(scores_cache: Path | None, model_dir: str, data_key: str) -> Pa
     return Path(scores_cache) / f"{key}.json"
 
 
-def _add_replay(model, tokenizer, split: DatasetSplit, job: _Job, workdir: Path, hooks: Hooks,
+def _add_replay(model, tokenizer, split: DatasetSplit, job: JobSettings, workdir: Path, hooks: Hooks,
                 batch_size: int = 8) -> None:
     """Add the base model's own answers to `job.replay_n` everyday prompts to the training
     examples (worker.training.replay), generated once and kept in workdir/replay.json for a
@@ -412,7 +412,7 @@ def _pad_id(tokenizer) -> int:
     return tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
 
 
-def _recipe(base: BaseModelHandle, tokenizer, split: DatasetSplit, job: _Job, workdir: Path,
+def _recipe(base: BaseModelHandle, tokenizer, split: DatasetSplit, job: JobSettings, workdir: Path,
             hooks: Hooks) -> FineTuneRecipe:
     """The recipe that trains the base model, or the previous version it continues."""
     if job.start_model is not None:
@@ -463,7 +463,7 @@ def _describe_base(base_model: str) -> tuple[str, str, list[str]]:
     return Path(base_model).name or base_model, base_model, []
 
 
-def _export(recipe: FineTuneRecipe, tokenizer, base: BaseModelHandle, job: _Job,
+def _export(recipe: FineTuneRecipe, tokenizer, base: BaseModelHandle, job: JobSettings,
             docs: list[SourceDoc], split: DatasetSplit, base_model: str, scores: dict,
             workdir: Path, hooks: Hooks) -> tuple[dict, dict, dict]:
     """The model card and every download: (artifacts, export errors, resolved settings)."""

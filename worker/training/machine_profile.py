@@ -112,12 +112,15 @@ def build_profile(
     disk_mib: int = DISK_MIB,
     base_model: str = "",
     stream: str = "auto",
+    time_model: bool = True,
 ) -> dict:
-    """Measure this machine and plan LoRA and full fine-tuning of `model_dir` on it."""
+    """Measure this machine and plan LoRA and full fine-tuning of `model_dir` on it; with
+    `time_model`, time a few optimizer steps of the real model for each method too."""
     from transformers import AutoConfig
 
     from offload import plan
     from worker.training.recipe import TrainConfig
+    from worker.training.step_timing import general_forwards, time_scoring, time_steps
 
     disk = measure_disk(swap_dir, disk_mib)
     flops = measure_flops()
@@ -141,6 +144,10 @@ def build_profile(
             lora_params=lora_params(config, ref.lora_rank) if method == "lora" else 0,
         )
         methods[method] = {k: (v if v != float("inf") else None) for k, v in p.to_dict().items()}
+    base = streamed_base(model_dir, read, stream)
+    timed = time_model and not base["streams"]  # a streamed model: too slow to time here
+    steps = time_steps(model_dir, budget_bytes, Path(swap_dir)) if timed else {}
+    scoring = time_scoring(model_dir) | {"general_forwards": general_forwards()} if timed else None
     return checked_profile({  # the shape the web app reads (app.contract.machine_profile)
         "format": PROFILE_FORMAT,
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -155,7 +162,9 @@ def build_profile(
         "cpu": {"matmul_flops": flops, "compute_efficiency": COMPUTE_EFFICIENCY},
         "reference": {"batch_size": ref.batch_size, "seq_len": ref.max_seq_len},
         "methods": methods,
-        "base": streamed_base(model_dir, read, stream),
+        "base": base,
+        "steps": steps,
+        "scoring": scoring,
     })
 
 

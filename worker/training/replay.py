@@ -16,6 +16,7 @@ from worker.dataset.build import encode_qa, qa_prompt_ids
 from worker.dataset.corpus import answer_example
 
 REPLAY_PROMPTS = Path(__file__).parent / "data" / "replay_prompts.txt"
+ANSWER_TOKENS = 96  # the longest answer the base model gives a replay prompt
 
 
 def replay_prompts(n: int) -> list[str]:
@@ -24,7 +25,7 @@ def replay_prompts(n: int) -> list[str]:
 
 
 def replay_pairs(
-    model, tokenizer, n: int, max_new_tokens: int = 96, batch_size: int = 8
+    model, tokenizer, n: int, max_new_tokens: int = ANSWER_TOKENS, batch_size: int = 8
 ) -> list[tuple[str, str]]:
     """(prompt, the model's own greedy answer) for the first `n` replay prompts."""
     from worker.scoring.evaluate import generate
@@ -57,3 +58,10 @@ def replay_examples(
         if n_prompt < len(ids):
             out.append(answer_example(ids, n_prompt))
     return out
+
+
+def planned_lengths(tokenizer, n: int, max_seq_len: int) -> list[int]:
+    """The longest the replay examples of the first `n` prompts can be, before the base
+    model has answered them: each prompt with an answer of ANSWER_TOKENS (and its end)."""
+    return [min(len(qa_prompt_ids(tokenizer, p)) + ANSWER_TOKENS + 1, max_seq_len)
+            for p in replay_prompts(n)]

@@ -24,7 +24,10 @@ from worker.extract import kind_for_filename
 from worker.ingest import INTERNAL_ERROR, ingest_document, text_path
 
 MEMORY_MB, CPU_S, TIMEOUT_S = 400, 10, 10  # small limits: the 2-core test machine
-SLOWEST_S = 8.0  # no file may take longer than this to be refused or read (the box: 10 s)
+# No file may take more CPU than this to be refused or read (the box: 10 s). CPU seconds of
+# the reader, not wall seconds: a loaded or slower machine waits longer, it does not work
+# more (the wall times are `make bench-hostile`'s to report).
+SLOWEST_S = 8.0
 ALL = {**hostile.CORPUS, **hostile.READS}
 
 
@@ -102,23 +105,23 @@ def test_the_corpus_has_thirty_kinds_and_is_small_on_disk(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(hostile.CORPUS))
 def test_each_hostile_file_fails_in_words(outcomes, name):
-    row, seconds, usage = outcomes[name]
+    row, _seconds, usage = outcomes[name]
     words = hostile.CORPUS[name][1]
     assert row.status == DocStatus.failed, f"{name} got through: {row.preview!r}"
     assert words in row.error, row.error
     assert row.error != INTERNAL_ERROR and "Traceback" not in row.error
     assert row.error[0].isupper() and row.error.rstrip().endswith((".", ")"))
     assert "took longer than" not in row.error  # a cheap check caught it, not the clock
-    assert seconds < SLOWEST_S and row.read_attempts == 1
+    assert row.read_attempts == 1
     assert not text_path(row.stored_name).exists()
-    assert usage is not None and usage[0] < MEMORY_MB and usage[1] < CPU_S
+    assert usage is not None and usage[0] < MEMORY_MB and usage[1] < SLOWEST_S
 
 
 @pytest.mark.parametrize("name", sorted(hostile.READS))
 def test_each_harmless_oddity_is_read_within_the_limits(outcomes, name):
-    row, seconds, usage = outcomes[name]
+    row, _seconds, usage = outcomes[name]
     assert row.status == DocStatus.extracted, row.error
-    assert seconds < SLOWEST_S and usage is not None and usage[0] < MEMORY_MB
+    assert usage is not None and usage[0] < MEMORY_MB and usage[1] < SLOWEST_S
     held = text_path(row.stored_name).read_text()
     held += (settings.documents_dir / f"{row.stored_name}.qa.json").read_text()
     words = hostile.READS[name][1]

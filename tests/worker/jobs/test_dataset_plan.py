@@ -1,0 +1,89 @@
+"""The dataset plan (worker/jobs/dataset_plan.py): the training work of a job counted without
+its model, step by step as the job's own recipe will run it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from app.contract.dataset_plan import checked_plan
+from app.contract.training import default_params
+from scripts.experiments.recall import load_corpus
+from worker.jobs.dataset_plan import count_work
+from worker.jobs.pipeline import job_dataset, job_settings
+from worker.training.recipe import FineTuneRecipe
+from worker.training.replay import planned_lengths
+
+
+@pytest.fixture(scope="module")
+def corpus_docs() -> list:
+    with tempfile.TemporaryDirectory() as folder:
+        return load_corpus(Path(folder))  # the fixture corpus as the worker extracts it
+
+
+def _recipe_shapes(docs, tokenizer, params, extra: list[dict]) -> tuple[int, dict]:
+    """(steps, {(rows, width): steps}) of the recipe a job with `params` builds."""
+    job = job_settings(docs, params, "", None, None)
+    split = job_dataset(docs, tokenizer, job)
+    recipe = FineTuneRecipe(object(), split.train_examples + extra, job.config, Path("/nowhere"))
+    shapes: dict = {}
+    for step in range(recipe.total_steps):
+        batch = recipe.batch_for_step(step)["input_ids"]
+        shapes[tuple(batch.shape)] = shapes.get(tuple(batch.shape), 0) + 1
+    return recipe.total_steps, shapes
+
+
+@pytest.mark.parametrize("epochs", [1, 4])
+def test_the_plan_is_the_recipes_own_batches(corpus_docs, smol_tokenizer, epochs):
+    n_words = sum(len(d.text.split()) for d in corpus_docs)
+    params = default_params(n_words, 12, "lora") | {"epochs": epochs, "replay": 0}
+    plan = count_work(corpus_docs, smol_tokenizer, params, "key")
+    steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, [])
+    assert plan.steps == steps
+    assert {(r, w): n for r, w, n in plan.shapes} == shapes
+    assert plan.epochs == epochs and plan.replay == 0
+    assert plan.examples == plan.chunks + plan.qa + plan.practice > plan.practice > 100
+    assert checked_plan(plan.model_dump(), "key") == plan  # what the app reads back
+    assert checked_plan(plan.model_dump(), "another key") is None
+
+
+def test_replay_answers_are_counted_at_their_longest(corpus_docs, smol_tokenizer):
+    params = default_params(862, 12, "lora")  # replay 16, as the Train button queues it
+    plan = count_work(corpus_docs, smol_tokenizer, params, "key")
+    assert plan.replay == 16
+    longest = planned_lengths(smol_tokenizer, 16, 256)
+    replay = [{"input_ids": [0] * n, "labels": [0] * n} for n in longest]
+    steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, replay)
+    assert plan.steps == steps and {(r, w): n for r, w, n in plan.shapes} == shapes
+    # Most steps are short practice questions: far fewer padded tokens than 256 per row.
+    padded = sum(r * w * n for r, w, n in plan.shapes)
+    assert padded < 0.6 * 4 * 256 * plan.steps
+
+
+def test_the_office_corpus_of_the_estimate_benchmark_is_the_size_asked(tmp_path, smol_tokenizer):
+    """tests/fixtures/office.py (`make bench-estimate`'s larger corpora): eight office files
+    that read, about as many words as asked, the same for the same seed."""
+    import hashlib
+
+    from app.filetypes import kind_for_filename
+    from tests.fixtures.office import write_office_corpus
+    from worker.dataset.corpus import SourceDoc
+    from worker.extract import extract
+
+    paths = write_office_corpus(tmp_path / "a", 3_000)
+    again = write_office_corpus(tmp_path / "b", 3_000)
+    assert [p.read_bytes() for p in paths if p.suffix in (".md", ".csv", ".txt", ".html")] == [
+        p.read_bytes() for p in again if p.suffix in (".md", ".csv", ".txt", ".html")]
+    docs = []
+    for path in paths:
+        out = extract(path, kind_for_filename(path.name))
+        docs.append(SourceDoc(path.name, hashlib.sha256(path.read_bytes()).hexdigest(),
+                              out.text, list(out.qa_pairs)))
+    words = sum(len(d.text.split()) + sum(len(q.split()) + len(a.split()) for q, a in d.qa_pairs)
+                for d in docs)
+    assert len(docs) == 8 and all(d.text or d.qa_pairs for d in docs)
+    assert 2_700 < words < 3_600, words
+    plan = count_work(docs, smol_tokenizer, default_params(words, 20, "lora"), "k")
+    assert plan.probes == 40 and plan.practice > 150 and plan.qa > 10

@@ -1,0 +1,188 @@
+"""How long an optimizer step of the real base model takes on this machine, at a few batch
+shapes, and a fit that gives the time of a step of any shape.
+
+Jobs train through the offload engine (worker.training.engines.OffloadTrainEngine) under the
+job's memory budget; so does this timed run: the same recipe, the same engine options (the
+frozen base weights read from the model's files for LoRA), one step of random tokens at each
+shape (what a step costs does not depend on which tokens). A first step warms the engine up
+(thread pools, the page pool, the allocator) and is not counted.
+
+The fit: seconds = fixed + seconds_per_flop * flops(rows, width), where flops counts the
+step's matmuls from the model's shape: per token, `linear` for the weight matmuls (forward
+and backward: 6 per weight for full fine-tuning, 4 for LoRA, whose frozen weights get no
+gradient) and `attention` per token of width (12 * layers * hidden: the scores and the
+weighted sum, forward and backward). Two numbers fitted to three timed shapes by least
+squares (neither negative) stay sensible when a measurement is noisy, and the attention term
+carries the fit to widths longer than those timed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# (rows, width) timed per method: the default batch of 4 at three widths up to the default
+# max_seq_len. Short widths dominate a job of practice questions; full chunks fill 256.
+SHAPES = ((4, 64), (4, 128), (4, 256))
+# A method whose warm-up step takes longer than this is timed at its smallest shape only:
+# the worker should not spend many minutes measuring before it can train.
+SLOW_STEP_S = 60.0
+
+
+def matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
+    """(linear, attention): a step's matmul FLOPs per token are linear + attention * width."""
+    config = model.config
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    params = {id(p): p.numel() for p in model.parameters()}
+    weights = sum(params.values()) - embed.numel()  # a lookup, not a matmul
+    weights += head.weight.numel() if head is not None else embed.numel()
+    per_weight = 6.0 if method == "full" else 4.0
+    attention = 12.0 * config.num_hidden_layers * config.hidden_size
+    return per_weight * weights, attention
+
+
+def step_flops(flops: tuple[float, float], rows: int, width: int) -> float:
+    linear, attention = flops
+    return rows * width * (linear + attention * width)
+
+
+def fit_step_time(measured: list[tuple[int, int, float]],
+                  flops: tuple[float, float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per FLOP) fitted to (rows, width, seconds) measurements."""
+    xs = [step_flops(flops, r, w) for r, w, _ in measured]
+    ys = [s for _, _, s in measured]
+    n = len(xs)
+    if n >= 2:
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0
+        fixed = my - slope * mx
+        if slope > 0 and fixed >= 0:
+            return fixed, slope
+    # One point, or a fit with a negative part: all of the time scales with the work.
+    return 0.0, sum(ys) / sum(xs)
+
+
+def time_method(
+    model_dir: str,
+    method: str,
+    budget_bytes: int,
+    swap_dir: Path,
+    shapes: tuple[tuple[int, int], ...] = SHAPES,
+    seed: int = 0,
+) -> tuple[list[tuple[int, int, float]], tuple[float, float]]:
+    """(rows, width, seconds of one optimizer step) for `method` at each of `shapes`, run as a
+    job runs it, and the model's matmul FLOPs per token (matmul_flops)."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.training.batches import pad_batch
+    from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    vocab = int(model.config.vocab_size)
+    flops = matmul_flops(model, method)  # before the engine takes the weights over
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch(rows: int, width: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, vocab, (rows, width), generator=gen).tolist()
+        return pad_batch([{"input_ids": r, "labels": r} for r in ids], 0, width)
+
+    widest = max(w for _, w in shapes)
+    examples = [{"input_ids": [0] * widest, "labels": [0] * widest}]
+    config = TrainConfig(method=method, epochs=1, max_seq_len=widest, learning_rate=1e-4)
+    folder = Path(model_dir)
+    Path(swap_dir).mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="step-timing-", dir=swap_dir))
+    engine = EngineOptions(
+        budget_bytes=budget_bytes,
+        swap_dir=workdir / "swap",
+        weights_files=sorted(folder.glob("*.safetensors")) if folder.is_dir() else [],
+    )
+    recipe = FineTuneRecipe(model, examples, config, workdir, engine=engine)
+    measured: list[tuple[int, int, float]] = []
+    try:
+        recipe.setup()
+        first = sorted(shapes, key=lambda s: s[0] * s[1])
+        started = time.perf_counter()
+        recipe.engine.step(batch(*first[0]))  # warm-up, not counted
+        slow = time.perf_counter() - started > SLOW_STEP_S
+        for rows, width in first[:1] if slow else first:
+            b = batch(rows, width)
+            started = time.perf_counter()
+            recipe.engine.step(b)
+            measured.append((rows, width, time.perf_counter() - started))
+    finally:
+        recipe.cleanup(remove_checkpoint=True, restore=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+    log.info("%s steps: %s", method,
+             ", ".join(f"{r}x{w} {s:.2f} s" for r, w, s in measured))
+    return measured, flops
+
+
+def time_steps(model_dir: str, budget_bytes: int, swap_dir: Path,
+               methods: tuple[str, ...] = ("lora", "full")) -> dict[str, dict]:
+    """The timed run and its fit for each method, as app.contract.machine_profile.StepFit."""
+    out = {}
+    for method in methods:
+        measured, flops = time_method(model_dir, method, budget_bytes, swap_dir)
+        fixed, per_flop = fit_step_time(measured, flops)
+        out[method] = {"measured": [list(m) for m in measured], "fixed_s": fixed,
+                       "s_per_flop": per_flop, "flops_per_token": list(flops)}
+    return out
+
+
+# Scoring (worker/scoring/evaluate.py) generates answers in batches of 8 and reads held-out
+# text in forwards of up to 8 x 256 tokens; timed once at those shapes.
+SCORING_BATCH = 8
+SCORING_PROMPT = 48  # tokens: a probe's text before its fact, or a question in chat
+SCORING_NEW_TOKENS = 24
+
+
+@torch.no_grad()
+def time_scoring(model_dir: str, seed: int = 0) -> dict:
+    """Seconds per generated token of a batch of SCORING_BATCH prompts (its prefill
+    included), and per forward of SCORING_BATCH x 256 tokens, for a model in memory."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.training.resources import configure_threads
+
+    configure_threads()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    vocab = int(model.config.vocab_size)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (SCORING_BATCH, SCORING_PROMPT), generator=gen)
+    mask = torch.ones_like(prompts)
+
+    def decode() -> float:
+        started = time.perf_counter()
+        model.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
+                       max_new_tokens=SCORING_NEW_TOKENS, min_new_tokens=SCORING_NEW_TOKENS,
+                       pad_token_id=0)
+        return (time.perf_counter() - started) / SCORING_NEW_TOKENS
+
+    decode()  # warm-up
+    decode_s = decode()
+    text = torch.randint(0, vocab, (SCORING_BATCH, 256), generator=gen)
+    model(input_ids=text)  # warm-up
+    started = time.perf_counter()
+    model(input_ids=text)
+    forward_s = time.perf_counter() - started
+    log.info("scoring: %.3f s per generated token (batch %d), %.2f s per forward of %dx256",
+             decode_s, SCORING_BATCH, forward_s, SCORING_BATCH)
+    return {"decode_s": decode_s, "forward_s": forward_s}
+
+
+def general_forwards() -> int:
+    """The forwards the forgetting check takes (its sample's paragraphs, SCORING_BATCH each)."""
+    from worker.scoring.evaluate import general_chunks
+
+    return -(-len(general_chunks()) // SCORING_BATCH)
