@@ -327,7 +327,7 @@ def test_time_left_adds_what_follows_training_as_the_last_jobs_took_it(client, e
 SCORING = {"decode_s": 0.05, "forward_s": 0.5, "general_forwards": 3}
 
 
-def test_scoring_phases_follow_the_plan_and_kept_scores_skip_the_base_models():
+def test_scoring_phases_follow_the_plan_and_kept_scores_skip_the_base_models(env):
     from app.models import JobState
 
     from .factories import make_job
