@@ -360,14 +360,14 @@ def estimates_for(
     `history` (finished jobs, newest first) where there is one."""
     if profile is None and load:
         profile = load_profile()
-    out = {}
-    session = object_session(project) if project is not None else None
-    for m in METHODS:
-        params = default_params(corpus.n_words, corpus.n_qa, m)
-        counted = dataset_plan(project, corpus, params) if project is not None else None
-        cached = session is not None and before_is_cached(session, corpus, params)
-        out[m] = calibrated(estimate(corpus, params, profile, counted, cached), history or [])
-    return out
+    params = {m: default_params(corpus.n_words, corpus.n_qa, m) for m in METHODS}
+    # The dataset plan and the kept "before" scores depend on the dataset's settings, which
+    # the methods' defaults share (they differ in learning rate): looked up once per view.
+    shared = params[METHODS[0]]
+    counted = dataset_plan(project, corpus, shared) if project is not None else None
+    cached = project is not None and before_is_cached(object_session(project), corpus, shared)
+    return {m: calibrated(estimate(corpus, p, profile, counted, cached), history or [])
+            for m, p in params.items()}
 
 
 def history(session: Session, limit: int = 20) -> list[Finished]:
