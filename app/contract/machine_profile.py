@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Raise it when the shape below changes in a way an older reader cannot follow.
-FORMAT = 2  # 2: the timed run of the real model (steps)
+FORMAT = 3  # 2: the timed run of the real model (steps); 3: repeated, with a checkpoint
 
 
 class _Part(BaseModel):
@@ -67,12 +67,14 @@ class StepFit(_Part):
     """A timed run of the real base model through the offload engine, one method
     (worker/training/step_timing.py): a step of `rows` examples padded to `width` tokens
     takes fixed_s + s_per_flop * rows * width * (linear + attention * width) seconds, with
-    (linear, attention) = flops_per_token."""
+    (linear, attention) = flops_per_token; writing one of the run's checkpoints takes
+    checkpoint_s."""
 
     measured: list[tuple[int, int, float]]  # (rows, width, seconds) of the steps timed
     fixed_s: float
     s_per_flop: float
     flops_per_token: tuple[float, float]
+    checkpoint_s: float
 
     def seconds(self, rows: int, width: int) -> float:
         linear, attention = self.flops_per_token

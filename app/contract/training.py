@@ -6,6 +6,7 @@ either importing the other's heavy side."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 METHODS = ("lora", "full")
@@ -61,6 +62,30 @@ LIMITS = {f.name: (f.low, f.high) for f in FIELDS}
 # everyday requests replayed alongside.
 GENERATED_QA = 2  # practice questions per fact-bearing sentence (worker.dataset)
 REPLAY = 16  # everyday requests the base model answers once, trained on too (worker.training.replay)
+CHECKPOINT_EVERY = 25  # optimizer steps between a job's checkpoints (also at every epoch end)
+
+
+def is_checkpoint_step(step: int, total_steps: int, steps_per_epoch: int,
+                       every: int = CHECKPOINT_EVERY) -> bool:
+    """Whether a job writes a checkpoint after optimizer step `step` (counted from 1): every
+    `every` steps, at each epoch's end and at the last step (worker.training.recipe)."""
+    return step % every == 0 or step % max(1, steps_per_epoch) == 0 or step == total_steps
+
+
+def checkpoints_after(step: int, total_steps: int, steps_per_epoch: int,
+                      every: int = CHECKPOINT_EVERY) -> int:
+    """How many checkpoints a job writes after `step` up to the end (the estimate and the
+    ETA count their time)."""
+    if step >= total_steps:
+        return 0
+    spe = max(1, steps_per_epoch)
+
+    def multiples(k: int) -> int:  # of k in (step, total_steps]
+        return total_steps // k - step // k
+
+    both = every * spe // math.gcd(every, spe)
+    count = multiples(every) + multiples(spe) - multiples(both)
+    return count + (not (total_steps % every == 0 or total_steps % spe == 0))
 
 
 def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:

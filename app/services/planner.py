@@ -11,7 +11,9 @@ or offload):
   examples the job's own dataset code makes of these documents and the padded shape of each
   of its steps (app.contract.dataset_plan).
 
-Training time = the sum over the plan's steps of the fit's time for their shape. Until the
+Training time = the sum over the plan's steps of the fit's time for their shape, and the
+checkpoints the job writes (every 25 steps and at each epoch's end) at the timed run's time
+for one. Until the
 plan is counted (or for settings it was not counted for), the steps come from a rule of thumb:
 
   tokens   ~ words x 1.4 + question-answer pairs x 60
@@ -43,7 +45,7 @@ from sqlalchemy.orm import Session, object_session
 from app.contract.dataset_plan import DatasetPlan, checked_plan, plan_key
 from app.contract.machine_profile import StepFit, is_current
 from app.contract.tasks import PLAN_TASK
-from app.contract.training import METHODS, default_params
+from app.contract.training import CHECKPOINT_EVERY, METHODS, checkpoints_after, default_params
 from app.models import Job, JobState, Project
 from app.queue import enqueue_after_commit
 from app.services.durations import human_duration
@@ -120,11 +122,16 @@ def _rule_of_thumb(corpus: Corpus, params: Mapping[str, Any], batch_size: int) -
 
 
 def _train_seconds(shapes: Shapes, plan: Mapping[str, Any], fit: StepFit | None,
-                   ref: Mapping[str, Any]) -> float:
-    """Seconds of training over `shapes`: the timed run's fit, else offload.plan's compute time
-    per step scaled by the step's tokens (at least its disk time when the model streams)."""
+                   ref: Mapping[str, Any], epochs: int = 1, every: int = CHECKPOINT_EVERY
+                   ) -> float:
+    """Seconds of training over `shapes` (`epochs` passes): the timed run's fit and its
+    checkpoints, else offload.plan's compute time per step scaled by the step's tokens (at
+    least its disk time when the model streams)."""
     if fit is not None:
-        return sum(n * fit.seconds(rows, width) for rows, width, n in shapes)
+        steps = sum(n for _, _, n in shapes)
+        checkpoints = checkpoints_after(0, steps, steps // max(1, epochs), every) if steps else 0
+        return (sum(n * fit.seconds(rows, width) for rows, width, n in shapes)
+                + checkpoints * fit.checkpoint_s)
     per_token = float(plan["compute_s_per_step"]) / (int(ref["batch_size"]) * int(ref["seq_len"]))
     io = float(plan.get("io_s_per_step") or 0.0) if not plan.get("fits_in_memory") else 0.0
     return sum(n * max(per_token * rows * width, io) for rows, width, n in shapes)
@@ -156,7 +163,9 @@ def estimate(
               else _rule_of_thumb(corpus, params, int(ref["batch_size"])))
     timed = (profile.get("steps") or {}).get(method)
     fit = StepFit.model_validate(timed) if timed else None
-    train_s = _train_seconds(shapes, plan, fit, ref)
+    epochs = dataset.epochs if dataset is not None else int(params["epochs"])
+    every = int(params.get("checkpoint_every") or CHECKPOINT_EVERY)
+    train_s = _train_seconds(shapes, plan, fit, ref, epochs, every)
     before, after = _scoring_seconds(profile, corpus, params, dataset, before_cached)
     phases = {"before": before, "train": train_s, "after": after,
               "export": _export_seconds(profile)}

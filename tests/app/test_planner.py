@@ -111,9 +111,9 @@ def test_without_a_profile_or_a_fitting_budget():
 
 
 # A timed run of the real model (worker/training/step_timing.py): a step of rows x width
-# tokens takes 1 + 1e-9 * rows * width * (3e8 + 1e6 * width) seconds.
+# tokens takes 1 + 1e-9 * rows * width * (3e8 + 1e6 * width) seconds, a checkpoint 2 s.
 TIMED = {"measured": [[4, 64, 1.0], [4, 128, 1.0], [4, 256, 1.0]], "fixed_s": 1.0,
-         "s_per_flop": 1e-9, "flops_per_token": [3e8, 1e6]}
+         "s_per_flop": 1e-9, "flops_per_token": [3e8, 1e6], "checkpoint_s": 2.0}
 
 
 def _step_s(rows: int, width: int) -> float:
@@ -135,12 +135,14 @@ def test_a_timed_run_and_a_counted_plan_give_the_time_step_by_step():
     shapes = [(4, 60, 100), (4, 250, 10), (2, 90, 1)]
     est = planner.estimate(corpus, params, timed, _counted(shapes))
     assert est.steps == 111 and est.counted
+    # One epoch of 111 steps: checkpoints after steps 25, 50, 75, 100 and 111.
     assert est.train_s == pytest.approx(100 * _step_s(4, 60) + 10 * _step_s(4, 250)
-                                        + _step_s(2, 90))
-    # Without the plan: the rule of thumb's steps (886), each at the fit's time for 4 x 256.
+                                        + _step_s(2, 90) + 5 * 2.0)
+    # Without the plan: the rule of thumb's steps (886 in 2 epochs of 443), each at the fit's
+    # time for 4 x 256, and 37 checkpoints (35 multiples of 25, and the end of epoch 1 and 2).
     guessed = planner.estimate(corpus, params, timed)
-    assert guessed.steps == 886 and not guessed.counted
-    assert guessed.train_s == pytest.approx(886 * _step_s(4, 256))
+    assert guessed.steps == 886 and not guessed.counted and params["epochs"] == 2
+    assert guessed.train_s == pytest.approx(886 * _step_s(4, 256) + 37 * 2.0)
     # Full fine-tuning was not timed: offload.plan's per-step figures, at least the disk time.
     full = planner.estimate(corpus, params | {"method": "full"}, timed, _counted(shapes))
     assert full.train_s == pytest.approx(111 * 20.0)

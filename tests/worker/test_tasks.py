@@ -168,6 +168,7 @@ def test_the_worker_measures_the_machine_for_the_estimates():
         timed = profile["steps"][method]
         assert [(r, w) for r, w, _ in timed["measured"]] == [(4, 64), (4, 128), (4, 256)]
         assert all(s > 0 for *_, s in timed["measured"]) and timed["s_per_flop"] > 0
+        assert timed["checkpoint_s"] > 0  # one checkpoint of the run written and timed
 
 
 def test_jobs_queue_one_after_another_and_cancel_works(tmp_path):

@@ -1,7 +1,7 @@
 """Count a job's training work without loading the model: the dataset the job would build
 (worker.jobs.pipeline's own job_settings and job_dataset, so the same chunks, practice
 questions and hold-out) and, step by step, the padded shape of each batch as the recipe
-makes them (worker.training.batches.epoch_order, grouped by length). Only the tokenizer is
+makes them (worker.training.batches.step_lengths, grouped by length). Only the tokenizer is
 loaded. The result is app.contract.dataset_plan's shape, kept on the project row for the
 Train panel's estimate (app/services/planner.py).
 
@@ -20,7 +20,7 @@ from typing import Any
 from app.contract.dataset_plan import FORMAT, DatasetPlan, plan_key
 from worker.dataset.corpus import SourceDoc
 from worker.jobs.pipeline import job_dataset, job_settings
-from worker.training.batches import epoch_order
+from worker.training.batches import step_lengths
 from worker.training.replay import planned_lengths
 
 log = logging.getLogger(__name__)
@@ -40,12 +40,8 @@ def count_work(docs: list[SourceDoc], tokenizer, params: Mapping[str, Any], key:
     total = cfg.total_steps(len(lengths))
     shapes: Counter[tuple[int, int]] = Counter()
     tokens = 0
-    order: list[int] = []
-    for step in range(total):
-        epoch, index = divmod(step, steps_per_epoch)
-        if index == 0:
-            order = epoch_order(lengths, cfg.seed, epoch, per_step, cfg.group_by_length)
-        batch = [lengths[i] for i in order[index * per_step : (index + 1) * per_step]]
+    for batch in step_lengths(lengths, cfg.seed, per_step, cfg.group_by_length,
+                              steps_per_epoch, total):
         shapes[(len(batch), max(batch))] += 1
         tokens += sum(batch)
     stats = split.stats

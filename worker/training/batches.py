@@ -53,6 +53,22 @@ def epoch_order(
     return order
 
 
+def step_lengths(lengths: list[int], seed: int, per_step: int, group_by_length: bool,
+                 steps_per_epoch: int, total_steps: int) -> list[list[int]]:
+    """The lengths (capped as `lengths` are) of the examples of each optimizer step, in the
+    order a run takes them (FineTuneRecipe.batch_for_step): what a step costs (its padded
+    shape is len x max) without building its tensors. The dataset plan counts these; the
+    job's ETA weighs its remaining steps by them."""
+    out: list[list[int]] = []
+    order: list[int] = []
+    for step in range(total_steps):
+        epoch, index = divmod(step, steps_per_epoch)
+        if index == 0 or not order:
+            order = epoch_order(lengths, seed, epoch, per_step, group_by_length)
+        out.append([lengths[i] for i in order[index * per_step : (index + 1) * per_step]])
+    return out
+
+
 def _group_by_length(
     order: list[int], lengths: list[int], per_step: int, gen: torch.Generator
 ) -> list[int]:

@@ -28,11 +28,18 @@ from pathlib import Path
 
 import torch
 
-from app.contract.training import LIMITS, METHODS
+from app.contract.training import (
+    CHECKPOINT_EVERY,
+    LIMITS,
+    METHODS,
+    checkpoints_after,
+    is_checkpoint_step,
+)
 from worker.errors import UserFacingError
 from worker.files import fsync_dir, fsync_file
-from worker.training.batches import epoch_order, examples_digest, pad_batch
+from worker.training.batches import epoch_order, examples_digest, pad_batch, step_lengths
 from worker.training.engines import InMemoryEngine, OffloadTrainEngine
+from worker.training.flops import matmul_flops, step_flops
 from worker.training.resources import auto_budget_bytes, configure_threads
 
 log = logging.getLogger(__name__)
@@ -110,7 +117,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     seed: int = 0
-    checkpoint_every: int = 25  # optimizer steps; also at every epoch end
+    checkpoint_every: int = CHECKPOINT_EVERY  # optimizer steps; also at every epoch end
     max_steps: int | None = None  # cap on optimizer steps (tests, quick trials)
 
     def __post_init__(self) -> None:
@@ -168,6 +175,15 @@ class _Progress:
 StartWeights = Callable[[torch.nn.Module], int]
 
 
+def _matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
+    """(linear, attention) FLOPs per token (worker.training.flops); padded tokens alone
+    for a model whose shape it cannot read."""
+    try:
+        return matmul_flops(model, method)
+    except (AttributeError, TypeError):
+        return 1.0, 0.0
+
+
 class FineTuneRecipe:
     """LoRA (peft) or full fine-tuning of `model` on `train_examples`, checkpointed in `workdir`.
 
@@ -201,8 +217,10 @@ class FineTuneRecipe:
         self.progress = _Progress()
         self.steps_per_epoch = config.steps_per_epoch(len(train_examples))
         self.total_steps = config.total_steps(len(train_examples))
+        self._flops = _matmul_flops(model, config.method)  # before an engine takes it over
         self._digest = examples_digest(train_examples)
         self._last_saved_step = -1
+        self._checkpoint_s = 0.0  # how long the last checkpoint took to write (for the ETA)
         self._perm_cache: tuple[int, list[int]] | None = None
 
     # -- paths -------------------------------------------------------------------------------
@@ -401,9 +419,25 @@ class FineTuneRecipe:
             self._release_engine(restore=True)
         return self.metrics()
 
+    def step_costs(self) -> list[float]:
+        """Each step's matmul FLOPs from its padded shape (worker.training.flops): the ETA
+        weighs the steps left by these, so a run that started on its long
+        batches does not take every later, shorter one to be as slow."""
+        cfg = self.config
+        lengths = [min(len(ex["input_ids"]), cfg.max_seq_len) for ex in self.examples]
+        return [step_flops(self._flops, len(b), max(b))
+                for b in step_lengths(lengths, cfg.seed, cfg.batch_size * cfg.grad_accum,
+                                      cfg.group_by_length, self.steps_per_epoch,
+                                      self.total_steps)]
+
     def _train_steps(self) -> None:
         self.model.train()
-        recent: list[tuple[float, int]] = []  # (seconds, tokens) of the last steps, for ETA
+        recent: list[tuple[float, int]] = []  # (seconds, tokens) of the last steps
+        costs = self.step_costs()
+        left = [0.0] * (len(costs) + 1)  # left[i]: the cost of steps i and after
+        for i in range(len(costs) - 1, -1, -1):
+            left[i] = left[i + 1] + costs[i]
+        done_s = done_cost = 0.0  # this run's steps, for the ETA
         while self.progress.step < self.total_steps:
             if self.hooks.should_cancel():
                 self.save_checkpoint()
@@ -413,6 +447,7 @@ class FineTuneRecipe:
             started = time.perf_counter()
             loss = self.engine.step(batch)
             seconds = time.perf_counter() - started
+            done_s, done_cost = done_s + seconds, done_cost + costs[self.progress.step]
             p = self.progress
             p.step += 1
             p.train_seconds += seconds
@@ -420,25 +455,27 @@ class FineTuneRecipe:
             p.losses.append(loss)
             recent = (recent + [(seconds, tokens)])[-10:]
             recent_s = sum(s for s, _ in recent)
+            # The checkpoints still to write, at the last one's time (none measured yet: 0).
+            later = self._checkpoint_s * checkpoints_after(
+                p.step, self.total_steps, self.steps_per_epoch, self.config.checkpoint_every)
             self.hooks.on_progress(
                 {
                     "step": p.step,
                     "total_steps": self.total_steps,
                     "loss": loss,
                     "tokens_per_s": sum(t for _, t in recent) / max(recent_s, 1e-9),
-                    "eta_s": recent_s / len(recent) * (self.total_steps - p.step),
+                    "eta_s": done_s / max(done_cost, 1e-9) * left[p.step] + later,
                     "epoch": (p.step - 1) // self.steps_per_epoch + 1,
                     "epochs": math.ceil(self.total_steps / self.steps_per_epoch),
                     "lr": self.engine.learning_rate,
                     "telemetry": self.engine.telemetry(),
                 }
             )
-            if (
-                p.step % self.config.checkpoint_every == 0
-                or p.step % self.steps_per_epoch == 0
-                or p.step == self.total_steps
-            ):
+            if is_checkpoint_step(p.step, self.total_steps, self.steps_per_epoch,
+                                  self.config.checkpoint_every):
+                started = time.perf_counter()
                 self.save_checkpoint()
+                self._checkpoint_s = time.perf_counter() - started
 
     def metrics(self) -> dict:
         p = self.progress

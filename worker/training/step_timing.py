@@ -12,8 +12,9 @@ step's matmuls from the model's shape: per token, `linear` for the weight matmul
 and backward: 6 per weight for full fine-tuning, 4 for LoRA, whose frozen weights get no
 gradient) and `attention` per token of width (12 * layers * hidden: the scores and the
 weighted sum, forward and backward). Two numbers fitted to three timed shapes by least
-squares (neither negative) stay sensible when a measurement is noisy, and the attention term
-carries the fit to widths longer than those timed.
+squares of the relative error (neither negative; a job's steps are mostly short, 4 x 60-150
+tokens, so the 4x256 point must not outweigh them) stay sensible when a measurement is
+noisy, and the attention term carries the fit to widths longer than those timed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from worker.training.flops import matmul_flops, step_flops
+
 log = logging.getLogger(__name__)
 
 # (rows, width) timed per method: the default batch of 4 at three widths up to the default
@@ -34,41 +37,46 @@ SHAPES = ((4, 64), (4, 128), (4, 256))
 # A method whose warm-up step takes longer than this is timed at its smallest shape only:
 # the worker should not spend many minutes measuring before it can train.
 SLOW_STEP_S = 60.0
-
-
-def matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
-    """(linear, attention): a step's matmul FLOPs per token are linear + attention * width."""
-    config = model.config
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    params = {id(p): p.numel() for p in model.parameters()}
-    weights = sum(params.values()) - embed.numel()  # a lookup, not a matmul
-    weights += head.weight.numel() if head is not None else embed.numel()
-    per_weight = 6.0 if method == "full" else 4.0
-    attention = 12.0 * config.num_hidden_layers * config.hidden_size
-    return per_weight * weights, attention
-
-
-def step_flops(flops: tuple[float, float], rows: int, width: int) -> float:
-    linear, attention = flops
-    return rows * width * (linear + attention * width)
+REPEATS = 2  # timed steps per shape; the fastest is kept
+DISAGREE = 0.25  # two tries further apart than this (relative): a third, and the middle one
 
 
 def fit_step_time(measured: list[tuple[int, int, float]],
                   flops: tuple[float, float]) -> tuple[float, float]:
-    """(fixed seconds, seconds per FLOP) fitted to (rows, width, seconds) measurements."""
+    """(fixed seconds, seconds per FLOP) fitted to (rows, width, seconds) measurements by
+    least squares of the relative error: sum(((fixed + slope * x - y) / y) ** 2) smallest."""
     xs = [step_flops(flops, r, w) for r, w, _ in measured]
     ys = [s for _, _, s in measured]
-    n = len(xs)
-    if n >= 2:
-        mx, my = sum(xs) / n, sum(ys) / n
-        sxx = sum((x - mx) ** 2 for x in xs)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx else 0
+    if len(xs) >= 2 and all(y > 0 for y in ys):
+        # Weighted least squares, weights 1 / y**2.
+        ws = [1.0 / (y * y) for y in ys]
+        sw = sum(ws)
+        mx = sum(w * x for w, x in zip(ws, xs, strict=True)) / sw
+        my = sum(w * y for w, y in zip(ws, ys, strict=True)) / sw
+        sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs, strict=True))
+        sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys, strict=True))
+        slope = sxy / sxx if sxx else 0.0
         fixed = my - slope * mx
         if slope > 0 and fixed >= 0:
             return fixed, slope
     # One point, or a fit with a negative part: all of the time scales with the work.
     return 0.0, sum(ys) / sum(xs)
+
+
+def steady_seconds(step, repeats: int = REPEATS) -> float:
+    """Seconds of `step()` as a job's steady steps take it: the fastest of `repeats` tries,
+    or the middle of three when the first two disagree by more than DISAGREE."""
+    tries = []
+    for _ in range(max(1, repeats)):
+        started = time.perf_counter()
+        step()
+        tries.append(time.perf_counter() - started)
+    if len(tries) == 2 and max(tries) > (1 + DISAGREE) * min(tries):
+        started = time.perf_counter()
+        step()
+        tries.append(time.perf_counter() - started)
+        return sorted(tries)[1]
+    return min(tries)
 
 
 def time_method(
@@ -78,9 +86,10 @@ def time_method(
     swap_dir: Path,
     shapes: tuple[tuple[int, int], ...] = SHAPES,
     seed: int = 0,
-) -> tuple[list[tuple[int, int, float]], tuple[float, float]]:
+) -> tuple[list[tuple[int, int, float]], tuple[float, float], float]:
     """(rows, width, seconds of one optimizer step) for `method` at each of `shapes`, run as a
-    job runs it, and the model's matmul FLOPs per token (matmul_flops)."""
+    job runs it (steady_seconds), the model's matmul FLOPs per token (matmul_flops), and the
+    seconds of writing one checkpoint of the run."""
     from transformers import AutoModelForCausalLM
 
     from worker.training.batches import pad_batch
@@ -109,6 +118,7 @@ def time_method(
     )
     recipe = FineTuneRecipe(model, examples, config, workdir, engine=engine)
     measured: list[tuple[int, int, float]] = []
+    checkpoint_s = 0.0
     try:
         recipe.setup()
         first = sorted(shapes, key=lambda s: s[0] * s[1])
@@ -117,15 +127,17 @@ def time_method(
         slow = time.perf_counter() - started > SLOW_STEP_S
         for rows, width in first[:1] if slow else first:
             b = batch(rows, width)
-            started = time.perf_counter()
-            recipe.engine.step(b)
-            measured.append((rows, width, time.perf_counter() - started))
+            seconds = steady_seconds(lambda b=b: recipe.engine.step(b), 1 if slow else REPEATS)
+            measured.append((rows, width, seconds))
+        started = time.perf_counter()
+        recipe.save_checkpoint()
+        checkpoint_s = time.perf_counter() - started
     finally:
         recipe.cleanup(remove_checkpoint=True, restore=False)
         shutil.rmtree(workdir, ignore_errors=True)
-    log.info("%s steps: %s", method,
-             ", ".join(f"{r}x{w} {s:.2f} s" for r, w, s in measured))
-    return measured, flops
+    log.info("%s steps: %s; a checkpoint %.2f s", method,
+             ", ".join(f"{r}x{w} {s:.2f} s" for r, w, s in measured), checkpoint_s)
+    return measured, flops, checkpoint_s
 
 
 def time_steps(model_dir: str, budget_bytes: int, swap_dir: Path,
@@ -133,10 +145,11 @@ def time_steps(model_dir: str, budget_bytes: int, swap_dir: Path,
     """The timed run and its fit for each method, as app.contract.machine_profile.StepFit."""
     out = {}
     for method in methods:
-        measured, flops = time_method(model_dir, method, budget_bytes, swap_dir)
+        measured, flops, checkpoint_s = time_method(model_dir, method, budget_bytes, swap_dir)
         fixed, per_flop = fit_step_time(measured, flops)
         out[method] = {"measured": [list(m) for m in measured], "fixed_s": fixed,
-                       "s_per_flop": per_flop, "flops_per_token": list(flops)}
+                       "s_per_flop": per_flop, "flops_per_token": list(flops),
+                       "checkpoint_s": checkpoint_s}
     return out
 
 

@@ -142,7 +142,7 @@ def test_sample_corpus_covers_every_kind_at_a_sensible_size(
     assert all(not result.warnings for result in corpus.values())
 
 
-@pytest.mark.parametrize("fact", docs.SAMPLE_FACTS, ids=lambda f: f"{f.filename}:{f.answer}")
+@pytest.mark.parametrize("fact", docs.CALIBRATION, ids=lambda f: f"{f.filename}:{f.answer}")
 def test_planted_facts_come_out(corpus: dict[str, Extracted], fact: docs.Fact) -> None:
     result = corpus[fact.filename]
     everything = result.text + "\n" + "\n".join(f"{q}\n{a}" for q, a in result.qa_pairs)

@@ -157,6 +157,22 @@ def test_batches_group_examples_of_similar_length(tiny_dir, tmp_path):
         r.cleanup()
 
 
+def test_step_costs_follow_the_batches_the_run_takes(tiny_dir, tmp_path):
+    """The ETA weighs each step by its padded shape (step_lengths, also the dataset plan's
+    count): the same shapes as the batches batch_for_step builds, step by step."""
+    lengths = [5, 40, 7, 33, 12, 60, 9, 21, 50, 6, 15, 28, 44]
+    examples = [{"input_ids": [3] * n, "labels": [3] * n} for n in lengths]
+    r = FineTuneRecipe(load(tiny_dir), examples, config(epochs=3, max_seq_len=48), tmp_path,
+                       pad_token_id=PAD)
+    linear, attention = r._flops
+    assert linear > 0 and attention > 0
+    costs = r.step_costs()
+    assert len(costs) == r.total_steps == 15
+    for step, cost in enumerate(costs):
+        rows, width = r.batch_for_step(step)["input_ids"].shape
+        assert cost == rows * width * (linear + attention * width)
+
+
 def test_grad_accum_matches_one_big_batch(tiny_dir, examples):
     batch = pad_batch(examples[:4], PAD, 64)
     results = []
@@ -289,6 +305,32 @@ def test_checkpoint_kept_when_a_swap_was_interrupted(tiny_dir, examples, tmp_pat
     assert again.progress.step == 2
     again.cleanup()
     assert_same_weights(trainable(again), trainable(r))
+
+
+class _CountingRecipe(FineTuneRecipe):
+    """The recipe, noting the step of each checkpoint it writes."""
+
+    saved: list[int]
+
+    def save_checkpoint(self):
+        self.saved = [*getattr(self, "saved", []), self.progress.step]
+        return super().save_checkpoint()
+
+
+def test_checkpoints_fall_where_the_estimate_counts_them(tiny_dir, examples, tmp_path):
+    """Every checkpoint_every steps, at each epoch's end and at the last step: the rule the
+    Train panel's estimate counts (app.contract.training.checkpoints_after), and whose time
+    the ETA adds once one checkpoint was timed."""
+    from app.contract.training import checkpoints_after
+
+    seen: list[dict] = []
+    r = _CountingRecipe(load(tiny_dir), examples, config(epochs=3, checkpoint_every=2),
+                        tmp_path, Hooks(on_progress=seen.append), PAD)
+    r.setup()
+    r.train()
+    assert r.total_steps == 9 and r.steps_per_epoch == 3
+    assert r.saved == [2, 3, 4, 6, 8, 9] and len(r.saved) == checkpoints_after(0, 9, 3, 2)
+    assert r._checkpoint_s > 0 and seen[-1]["eta_s"] == 0
 
 
 def test_checkpoint_of_other_settings_is_not_resumed(tiny_dir, examples, tmp_path):
