@@ -63,7 +63,7 @@ def step_lengths(lengths: list[int], seed: int, per_step: int, group_by_length: 
     order: list[int] = []
     for step in range(total_steps):
         epoch, index = divmod(step, steps_per_epoch)
-        if index == 0 or not order:
+        if index == 0:
             order = epoch_order(lengths, seed, epoch, per_step, group_by_length)
         out.append([lengths[i] for i in order[index * per_step : (index + 1) * per_step]])
     return out

@@ -177,7 +177,8 @@ StartWeights = Callable[[torch.nn.Module], int]
 
 def _matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
     """(linear, attention) FLOPs per token (worker.training.flops); padded tokens alone
-    for a model whose shape it cannot read."""
+    for a model whose shape it cannot read (the dataset plan's tests lay out batches with a
+    stand-in model)."""
     try:
         return matmul_flops(model, method)
     except (AttributeError, TypeError):
