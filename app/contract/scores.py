@@ -8,7 +8,8 @@ One side (`Side`) is what worker/scoring/evaluate.py returns:
 - perplexity on the held-out chunks (None without any);
 - the recall probes as sentence completions: n_probes, n_recalled, recall, probes;
 - questions: the same facts asked as questions in the chat format, {n, n_recalled,
-  recall, items};
+  recall, items}; each item records how it was put (`Question.kind`, one of
+  QUESTION_KINDS; "" for older jobs);
 - qa: the user's held-out question-answer pairs, token F1 and containment;
 - general: the forgetting check, perplexity on a general-English sample (None: skipped);
 - probe_set: a fingerprint of the probes, so two jobs can be compared on the same ones.
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 
 def _none_as(empty: Any) -> BeforeValidator:
@@ -58,6 +59,22 @@ class Probe(_Answered):
     source: Text = ""  # the document it comes from
 
 
+# How a question is put, in the order the score card lists them, with the card's words for
+# each ("22 in a colleague's own words"). Defined once here: the worker records one of these
+# keys on every question it asks (`Question.kind`), and a new kind is added here first.
+QUESTION_KINDS: dict[str, str] = {
+    "other words": "in a colleague's own words",  # a short forward question, reworded
+    "reverse": "asked the other way round",  # from the other end of the relation
+    "table": "looked up in a table",  # a cell of a table, by row and column
+}
+
+
+def _known_kind(kind: str) -> str:
+    if kind and kind not in QUESTION_KINDS:
+        raise ValueError(f"unknown question kind {kind!r}: not one of {list(QUESTION_KINDS)}")
+    return kind
+
+
 class Question(_Answered):
     """The same fact asked as a question in the chat format, worded apart from training."""
 
@@ -66,6 +83,9 @@ class Question(_Answered):
     source: Text = ""
     sentence: Text = ""  # the document's sentence that states the fact
     template: Text = ""  # which wording was used
+    # How the question is put: "other words", "reverse", "table" (QUESTION_KINDS); "" for
+    # older jobs, whose questions stayed close to the document's own sentences.
+    kind: Annotated[Text, AfterValidator(_known_kind)] = ""
 
 
 class Questions(_Part):
@@ -73,6 +93,17 @@ class Questions(_Part):
     n_recalled: Count = 0
     recall: float | None = None
     items: Annotated[list[Question], _none_as([])] = Field(default_factory=list)
+
+
+def kind_counts(questions: Questions) -> dict[str, tuple[int, int]]:
+    """(hits, n) of the questions of each kind, in QUESTION_KINDS order: only the kinds that
+    occur; items without a kind (older jobs) are left out, so an older job's is empty."""
+    tally = {kind: [0, 0] for kind in QUESTION_KINDS}
+    for item in questions.items:
+        if item.kind:
+            tally[item.kind][0] += item.hit
+            tally[item.kind][1] += 1
+    return {kind: (hits, n) for kind, (hits, n) in tally.items() if n}
 
 
 class General(_Part):
@@ -206,6 +237,53 @@ def headline_recall(
         return RecallFigures(n, before.question_counts()[1], hits, "questions")
     n, hits = after.completion_counts()
     return RecallFigures(n, before.completion_counts()[1], hits, "completion")
+
+
+@dataclass(frozen=True)
+class KindFigures:
+    """The headline's questions of one kind (a key of QUESTION_KINDS), before and after."""
+
+    kind: str
+    n: int
+    after: int  # answered right after training
+    before: int | None  # before training; None when the side before cannot tell
+
+    @property
+    def words(self) -> str:
+        """The card's words for the kind: "asked the other way round"."""
+        return QUESTION_KINDS[self.kind]
+
+    @property
+    def rate_after(self) -> float:
+        return self.after / self.n if self.n else 0.0
+
+
+def kind_figures(
+    before: Side | Mapping[str, Any] | None, after: Side | Mapping[str, Any] | None
+) -> list[KindFigures]:
+    """The headline questions by kind (`kind_counts` of the side after training), each with
+    the hits before training on the same questions; [] when the questions carry no kinds
+    (an older job, or the completions as headline)."""
+    before, after = as_side(before), as_side(after)
+    if headline_kind(after) != "questions":
+        return []
+    tally = kind_counts(after.questions)
+    if not tally:
+        return []
+    # The same questions before training, each counted under the kind it has after.
+    kind_of = {(q.question, q.answer): q.kind for q in after.questions.items}
+    if before.questions.items:
+        relabelled = [
+            q.model_copy(update={"kind": kind_of.get((q.question, q.answer), q.kind)})
+            for q in before.questions.items
+        ]
+        was: dict[str, tuple[int, int]] | None = kind_counts(Questions(items=relabelled))
+    else:  # no items before: only "none right" can be told apart
+        was = {} if before.questions.n_recalled == 0 else None
+    return [
+        KindFigures(kind, n, hits, None if was is None else was.get(kind, (0, 0))[0])
+        for kind, (hits, n) in tally.items()
+    ]
 
 
 def forgetting(

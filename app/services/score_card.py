@@ -11,6 +11,7 @@ from typing import Any
 from app.contract.results import dataset_notes
 from app.contract.scores import (
     QA,
+    KindFigures,
     Probe,
     Question,
     Scores,
@@ -18,6 +19,7 @@ from app.contract.scores import (
     finite_number,
     headline_kind,
     headline_recall,
+    kind_figures,
     parse_scores,
 )
 from app.contract.verdict import FORGETTING_RISE, Verdict, verdict
@@ -83,6 +85,9 @@ class ScoreCard:
     general_before: float | None = None  # forgetting check: general-text perplexity
     general_after: float | None = None
     side_by_side: list[ProbeRow] = field(default_factory=list)  # questions, base vs tuned
+    # The headline questions by how they were put (QUESTION_KINDS order); [] for older jobs,
+    # whose questions carry no kind.
+    kinds: list[KindFigures] = field(default_factory=list)
     qa_rows: list[QARow] = field(default_factory=list)
     verdict: Verdict | None = None
     notes: list[str] = field(default_factory=list)  # from dataset building (Job.dataset)
@@ -103,6 +108,24 @@ class ScoreCard:
     def n_completions(self) -> int:
         side = self.completion_after or self.recall_after
         return side.n_probes
+
+    @property
+    def kinds_line(self) -> str:
+        """The headline questions by kind, e.g. Asked 40 questions: 22 in a colleague's own
+        words (9 right, was 0), 10 asked the other way round (2 right, was 0), 8 looked up in
+        a table (3 right, was 0). Empty when the questions carry no kind (an older job)."""
+        if not self.kinds:
+            return ""
+        parts = [
+            f"{k.n} {k.words} ({k.after} right"
+            + (f", was {k.before})" if k.before is not None else ")")
+            for k in self.kinds
+        ]
+        rest = self.n_probes - sum(k.n for k in self.kinds)
+        if rest > 0:  # not expected: every question of a job with kinds has one
+            parts.append(f"{rest} put otherwise")
+        plural = "s" if self.n_probes != 1 else ""
+        return f"Asked {self.n_probes} question{plural}: {', '.join(parts)}."
 
     @property
     def general_rise(self) -> float | None:
@@ -231,6 +254,7 @@ def score_card(
         card.completion_before, card.completion_after = card.recall_before, card.recall_after
         card.recall_before = Recall(recall.before, recall.n)
         card.recall_after = Recall(recall.after, recall.n)
+        card.kinds = kind_figures(before, after)
         card.side_by_side = _paired_rows(
             before.questions.items, after.questions.items, "question"
         )[:side_by_side]

@@ -25,6 +25,7 @@ FineTuneRecipe, evaluate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -58,7 +59,34 @@ RECIPES: dict[str, dict] = {
     "default-e3": _DEFAULT | {"epochs": 3},
     "default-r8": _DEFAULT | {"lora_rank": 8},
     "default-wd": _DEFAULT | {"weight_decay": 0.1},
+    # More phrasings of each fact (issue 13: "each fact seen in diverse phrasings").
+    "default-qa3": _DEFAULT | {"generated_qa": 3},
+    "default-qa4": _DEFAULT | {"generated_qa": 4},
+    "default-qa5": _DEFAULT | {"generated_qa": 5},
+    "default-qa4-e6": _DEFAULT | {"generated_qa": 4, "epochs": 6},
+    "default-qa4-r32": _DEFAULT | {"generated_qa": 4, "lora_rank": 32},
+    # Ablations of the practice questions (the dataset builder patched for one recipe).
+    "default-no-fronted": _DEFAULT | {"ablate": "fronted"},  # no fronted question trained
+    "default-no-rev-table": _DEFAULT | {"ablate": "reverse-table"},  # no reverse/table practice
 }
+
+
+@contextlib.contextmanager
+def _ablated(what: str | None):
+    """The dataset builder without one kind of practice question, for an ablation."""
+    from worker.dataset import build
+
+    saved = build.training_questions, build._reverse_and_table_practice
+    if what == "fronted":
+        build.training_questions = lambda fact, probed: [
+            t for t in saved[0](fact, probed) if t[0] != "fronted"
+        ]
+    elif what == "reverse-table":
+        build._reverse_and_table_practice = lambda docs: []
+    try:
+        yield
+    finally:
+        build.training_questions, build._reverse_and_table_practice = saved
 
 
 def default_recipe(docs: list) -> dict:
@@ -149,9 +177,10 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
             spec = dict(RECIPES[name]) if name != "default" else default_recipe(docs)
             generated = spec.pop("generated_qa")
             n_replay = spec.pop("replay", 0)
-            split = build_dataset(
-                docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated
-            )
+            with _ablated(spec.pop("ablate", None)):
+                split = build_dataset(
+                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated
+                )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             started = time.perf_counter()
             before = before_cache.get("scores")
@@ -210,6 +239,10 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
                 "first_eval_seconds": round(eval_s, 1),
                 "after": _summary(after),
                 "employee_items": after["employee"]["items"],
+                "card_items": [
+                    {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
+                    for q in after["questions"]["items"]
+                ],
             }
             print(_row(name, results["recipes"][name]), flush=True)
             print(
@@ -223,12 +256,13 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
 
 def _summary(scores: dict) -> dict:
     """One side's figures (app.contract.scores) and the employee questions asked of it."""
-    from app.contract.scores import as_side
+    from app.contract.scores import as_side, kind_counts
 
     e = scores["employee"]
     side = as_side({k: v for k, v in scores.items() if k != "employee"})
     headline = 100 * side.questions.n_recalled / side.questions.n if side.questions.n else 0.0
     return {
+        "card_by_kind": {k: f"{h}/{n}" for k, (h, n) in kind_counts(side.questions).items()},
         "employee": f"{e['hits']}/{e['n']}",
         "employee_text": f"{e['hits_text']}/{e['n_text']}",
         "employee_by_kind": e["by_kind"],

@@ -3,7 +3,9 @@ the forgetting check, side by side, the user's own questions, and the verdict.""
 
 from __future__ import annotations
 
+import html
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from app.db import session_scope
@@ -87,6 +89,23 @@ def full_scores(
     return {"before": side(before_hits, False), "after": side(after_hits, True)}
 
 
+def with_kinds(scores: dict[str, Any], kinds: Sequence[str]) -> dict[str, Any]:
+    """The scores with question i put as kinds[i] on both sides, as newer jobs record it."""
+    for side in ("before", "after"):
+        for item, kind in zip(scores[side]["questions"]["items"], kinds, strict=True):
+            item["kind"] = kind
+    return scores
+
+
+# 10 questions; the first `hits` are answered right (full_scores), so after 5 hits: table
+# 3 of 3, other words 2 of 4, reverse 0 of 3.
+KINDS = ["table"] * 3 + ["other words"] * 4 + ["reverse"] * 3
+KINDS_LINE = (
+    "Asked 10 questions: 4 in a colleague's own words (2 right, was 0), 3 asked the other way "
+    "round (0 right, was 0), 3 looked up in a table (3 right, was 1)."
+)
+
+
 DATASET = {"n_probes": 10, "notes": ["10 recall probes from 1 document(s)."]}
 
 
@@ -110,15 +129,34 @@ def test_headline_is_the_questions_and_side_by_side_has_five():
     assert score_summary(full_scores()) == "Recall 0% → 80%"
 
 
+def test_the_card_counts_each_kind_of_question_before_and_after():
+    card = score_card(with_kinds(full_scores(before_hits=1, after_hits=5), KINDS), params=PARAMS)
+    assert [(k.kind, k.n, k.before, k.after) for k in card.kinds] == [
+        ("other words", 4, 0, 2), ("reverse", 3, 0, 0), ("table", 3, 1, 3)
+    ]
+    assert card.kinds_line == KINDS_LINE
+    # 5 of 10 is below a safe recall: the verdict names the kinds it misses.
+    assert card.verdict.level == "partial"
+    assert card.verdict.advice[0].startswith(
+        "It answers questions looked up in a table (3 of 3) but only sometimes questions in a "
+        "colleague's own words (2 of 4) and rarely questions asked the other way round (0 of 3)."
+    )
+
+
+def test_an_older_job_without_kinds_has_no_per_kind_line():
+    card = score_card(full_scores(), params=PARAMS)
+    assert card.kinds == [] and card.kinds_line == ""
+
+
 def test_forgetting_is_flagged():
     card = score_card(full_scores(general=(20.0, 30.0)), params=PARAMS)
     assert card.forgetting and card.general_rise == 0.5
     assert card.verdict.level == "forgetting"
 
 
-def _page(client, scores) -> str:
+def _page(client, scores, project_name: str = "Score card") -> str:
     with session_scope() as session:
-        project = make_project(session, "Score card")
+        project = make_project(session, project_name)
         job = make_job(session, project, JobState.done, scores=scores, dataset=DATASET)
         job_id = job.id
     page = client.get(f"/jobs/{job_id}")
@@ -149,6 +187,26 @@ def test_job_page_shows_verdict_side_by_side_and_forgetting_check(client):
     ):
         assert expected in text, expected
     assert text.count('class="source-sentence"') == 5
+
+
+def test_job_page_says_how_many_of_each_kind_it_asked(client):
+    text = _page(client, with_kinds(full_scores(before_hits=1, after_hits=5), KINDS))
+    assert "colleague&#39;s own words (2 right, was 0)" in text  # escaped like all text
+    text = html.unescape(text)
+    assert KINDS_LINE in text
+    assert "None of these questions was trained on." in text
+    assert "the other way round (“What has a lifetime warranty?”)" in text
+    assert (
+        "Answers 5 of 10 questions about your documents correctly (was 1). Not ready: a colleague "
+        "would get a wrong answer often."
+    ) in text
+    assert "rarely questions asked the other way round (0 of 3)" in text
+
+    # An older job: no kinds, no such line, and the explanation says what its questions were.
+    old = html.unescape(_page(client, full_scores(), "Older job"))
+    assert "Asked 10 questions" not in old and "kinds-line" not in old
+    assert "None of these questions was trained on." not in old
+    assert "they stay close to the documents' own sentences" in old
 
 
 def test_a_job_without_facts_says_why_recall_was_not_measured(client):

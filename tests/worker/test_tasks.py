@@ -144,7 +144,7 @@ def test_a_job_trains_scores_and_exports(tmp_path):
     before, after = job.scores["before"], job.scores["after"]
     assert before["n_probes"] == after["n_probes"] > 0
     assert after["perplexity"] is None or after["perplexity"] > 0
-    assert after["questions"]["n"] == after["n_probes"]  # facts also asked as questions
+    assert after["questions"]["n"] >= after["n_probes"]  # facts also asked as questions
     assert after["general"]["perplexity"] > 0  # the forgetting check
     assert job.export_errors == {} and set(job.scores) == {"before", "after"}  # scores only
     for kind in ("adapter", "merged", "gguf-f16", "gguf-q8_0"):

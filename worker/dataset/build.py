@@ -12,6 +12,12 @@ import random
 import re
 from dataclasses import dataclass
 
+from worker.dataset.colleague import (
+    make_probes,
+    reverse_practice,
+    reverse_questions,
+    table_practice,
+)
 from worker.dataset.corpus import (
     IGNORE_INDEX,
     DatasetSplit,
@@ -20,8 +26,14 @@ from worker.dataset.corpus import (
     answer_example,
     text_example,
 )
-from worker.dataset.probes import fact_spans, make_probes, normalise, split_sentences
+from worker.dataset.probes import (
+    fact_spans,
+    normalise,
+    split_sentences,
+    usable_sentence,
+)
 from worker.dataset.questions import training_questions
+from worker.dataset.tables import find_tables
 from worker.errors import UserFacingError
 
 _PARA_SEP = "\n\n"
@@ -213,6 +225,28 @@ def make_generated_qa(
             seen.add(key)
             out.append((question, answer))
             kept += 1
+    # The other way round, and the tables row by row: a model taught "A is B" does not
+    # answer "what is B?", nor a table cell it only read as a line of text.
+    for question, answer in _reverse_and_table_practice(docs):
+        key = normalise(question)
+        if key not in seen and key not in probe_questions:
+            seen.add(key)
+            out.append((question, answer))
+    return out
+
+
+def _reverse_and_table_practice(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for name, text in docs:
+        sentences = split_sentences(text)
+        lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))
+        for i, sentence in enumerate(sentences):
+            if not usable_sentence(sentence):
+                continue
+            context = sentences[i - 1] if i > 0 else ""
+            out += [reverse_practice(a) for a in reverse_questions(sentence, context, name, lowered)]
+        for table in find_tables(name, text):
+            out += table_practice(table)
     return out
 
 

@@ -44,6 +44,9 @@ class Probe:
     # (worker.dataset.questions); "" when none could be made.
     question: str = ""
     template: str = ""  # which question template made `question`
+    # How `question` is put (app.contract.scores.QUESTION_KINDS): "other words", "reverse"
+    # or "table". Reverse and table questions have no sentence completion (prompt "").
+    kind: str = ""
 
 
 @dataclass

@@ -1,20 +1,19 @@
-"""Knowledge-recall probes: cloze-style questions cut from the documents' own sentences.
+"""Facts in the documents' own sentences: the distinctive spans a recall question asks for.
 
-A probe is a sentence cut just before a distinctive span (a number with units, a code,
-a name, an email, a date): the model sees the text before the span and counts when it
-continues with the span. Spans that could be guessed without knowing the fact (the
+A fact is a sentence with a distinctive span (a number with units, a code, a name, an
+email, a date); cut just before the span it is also a sentence completion (the model sees
+the text before the span and counts when it continues with it). The score card's questions
+about these facts are made in worker.dataset.colleague. Spans that could be guessed without knowing the fact (the
 first word of a sentence, a lone digit, a word already in the prompt, a common word
 that happens to be capitalised) are never used. Pure Python, no torch.
 """
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass, replace
 
-from worker.dataset.corpus import Probe
-from worker.dataset.questions import Fact, probe_question
+from worker.dataset.questions import Fact
 
 
 def _words(text: str) -> frozenset[str]:
@@ -298,6 +297,14 @@ def _letters_ratio(text: str) -> float:
     return sum(c.isalpha() for c in visible) / max(1, len(visible))
 
 
+def usable_sentence(sentence: str) -> bool:
+    """Not a table row, a list of figures, run-on extraction junk or a heading ("Careers at
+    Northwind Widgets"): a sentence that can state a fact to ask about."""
+    if len(sentence) > 600 or _letters_ratio(sentence) < 0.5 or sentence.count("|") >= 2:
+        return False
+    return len(sentence.split()) >= 6 or sentence.rstrip("\"')”’").endswith((".", "!", "?"))
+
+
 def _candidates_for_doc(doc: int, text: str) -> list[list[_Candidate]]:
     """Per usable sentence, its candidate probes, best first (a span with at least a few
     words before it, then the more distinctive kind, then the later span)."""
@@ -305,10 +312,8 @@ def _candidates_for_doc(doc: int, text: str) -> list[list[_Candidate]]:
     lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))  # words the document writes in lower case
     out: list[list[_Candidate]] = []
     for i, sentence in enumerate(sentences):
-        if len(sentence) > 600 or _letters_ratio(sentence) < 0.5 or sentence.count("|") >= 2:
-            continue  # tables, lists of figures, run-on extraction junk
-        if len(sentence.split()) < 6 and not sentence.rstrip("\"')”’").endswith((".", "!", "?")):
-            continue  # a heading ("Careers at Northwind Widgets"): no fact to ask about
+        if not usable_sentence(sentence):
+            continue
         ranked: list[tuple[tuple[int, int, int], _Candidate]] = []
         for s, e, kind in _find_spans(sentence):
             if kind == "name" and " " not in sentence[s:e] and sentence[s:e].lower() in lowered:
@@ -374,70 +379,6 @@ def _context_for(sentences: list[str], i: int, answer: str) -> str:
                 return s
             return ""
     return ""
-
-
-def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0) -> list[Probe]:
-    """Up to `max_probes` recall probes from (name, text) documents.
-
-    Deterministic for a given input and seed. Probes are spread round-robin across
-    documents, one per sentence at most; duplicated prompts or answers are dropped (a
-    repeated answer would let one memorised phrase score twice, a repeated prompt with
-    different answers has no single right answer). Returned in document order.
-    """
-    if max_probes <= 0:
-        return []
-    per_doc = [_candidates_for_doc(d, text) for d, (_, text) in enumerate(docs)]
-
-    # Prompts that occur with more than one answer are ambiguous: never used.
-    answers_by_prompt: dict[str, set[str]] = {}
-    for sentences in per_doc:
-        for cands in sentences:
-            for c in cands:
-                answers_by_prompt.setdefault(normalise(c.prompt), set()).add(normalise(c.answer))
-    ambiguous = {p for p, answers in answers_by_prompt.items() if len(answers) > 1}
-
-    # One probe per sentence: its best unambiguous candidate.
-    rng = random.Random(seed)
-    queues: list[list[_Candidate]] = []
-    for sentences in per_doc:
-        kept = []
-        for cands in sentences:
-            usable = [c for c in cands if normalise(c.prompt) not in ambiguous]
-            if usable:
-                kept.append(usable[0])
-        rng.shuffle(kept)
-        queues.append(kept)
-
-    chosen: list[_Candidate] = []
-    seen_prompts: set[str] = set()
-    seen_answers: set[str] = set()
-    while len(chosen) < max_probes and any(queues):
-        for queue in queues:
-            while queue and len(chosen) < max_probes:
-                c = queue.pop(0)
-                p, a = normalise(c.prompt), normalise(c.answer)
-                if p in seen_prompts or a in seen_answers:
-                    continue
-                seen_prompts.add(p)
-                seen_answers.add(a)
-                chosen.append(c)
-                break
-    chosen.sort(key=lambda c: (c.doc, c.position))
-    probes = []
-    for c in chosen:
-        fact = replace(c.fact, source=docs[c.doc][0])
-        template, question = probe_question(fact)
-        probes.append(
-            Probe(
-                prompt=c.prompt,
-                answer=c.answer,
-                source=fact.source,
-                sentence=c.sentence,
-                question=question,
-                template=template,
-            )
-        )
-    return probes
 
 
 def fact_spans(docs: list[tuple[str, str]]) -> list[Fact]:

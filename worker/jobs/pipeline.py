@@ -315,7 +315,7 @@ def _score_base_model(
             before = kept["scores"]
             write_json_atomic(workdir / "before.json", {"key": job.data_key, "scores": before})
         else:
-            hooks.on_phase("evaluating", f"Scoring before training ({len(split.probes)} probes)")
+            hooks.on_phase("evaluating", f"Scoring before training ({len(split.probes)} questions)")
             before = score(base.model)
             write_json_atomic(workdir / "before.json", {"key": job.data_key, "scores": before})
             if shared is not None:

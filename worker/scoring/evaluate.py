@@ -225,7 +225,9 @@ def evaluate(
 
 def _completions(model, tokenizer, probes: list[Probe], max_new_tokens: int, batch_size: int
                  ) -> list[dict]:
-    """The probes as sentence completions: the text before each fact, continued."""
+    """The probes as sentence completions: the text before each fact, continued (those
+    that have one: a question asked the other way round or from a table has none)."""
+    probes = [p for p in probes if p.prompt]
     prompts = [encode_text(tokenizer, p.prompt) for p in probes]
     outputs = generate(model, tokenizer, prompts, max_new_tokens, batch_size)
     return [
@@ -260,6 +262,7 @@ def _questions(model, tokenizer, probes: list[Probe], answer_tokens: int, batch_
             "source": p.source,
             "sentence": p.sentence,
             "template": p.template,
+            "kind": p.kind,
         }
         for p, out in zip(asked, outputs, strict=True)
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.contract.scores import forgetting, headline_recall
-from app.contract.verdict import FORGETTING_RISE, verdict
+from app.contract.verdict import FORGETTING_RISE, SAFE_RECALL, verdict
 
 
 def side(hits: int, n: int = 40, general: float | None = 20.0, ppl: float = 30.0, **kw) -> dict:
@@ -19,7 +19,22 @@ def side(hits: int, n: int = 40, general: float | None = 20.0, ppl: float = 30.0
     }
 
 
+def kinded(tally: dict[str, tuple[int, int]], **kw) -> dict:
+    """A side whose questions carry kinds: {kind: (hits, n)}; question ids run across kinds,
+    so the same tally order gives the same questions before and after."""
+    items = [
+        {"question": f"{kind} question {i}?", "answer": f"A{i}", "kind": kind, "hit": i < hits}
+        for kind, (hits, n) in tally.items()
+        for i in range(n)
+    ]
+    n, hits = len(items), sum(i["hit"] for i in items)
+    out = side(hits, n, **kw)
+    out["questions"]["items"] = items
+    return out
+
+
 PARAMS = {"method": "lora", "epochs": 8, "learning_rate": 2e-4}
+FORGOT = 20.0 * (1 + FORGETTING_RISE) + 1  # general-text perplexity: forgetting (from 20.0)
 
 
 def test_learned_and_safe():
@@ -44,14 +59,90 @@ def test_a_small_gain_on_many_probes_is_still_barely():
     assert verdict(side(0, n=100), side(10, n=100)).level == "partial"
 
 
-def test_partly_learned():
+def test_partly_learned_says_plainly_what_it_cannot_do_yet():
     v = verdict(side(1), side(12), PARAMS)
+    assert v.level == "partial" and not v.ok
+    assert v.headline == (
+        "Answers 12 of 40 questions about your documents correctly (was 1). Not ready: a "
+        "colleague would get a wrong answer most of the time."
+    )
+    # Older scores (no kinds): what to add, without naming kinds.
+    assert v.advice == [
+        (
+            "Add question-answer pairs (CSV or JSONL) about the facts it misses and more "
+            "documents that state those facts in different words."
+        ),
+        "Train longer (for example 16 epochs instead of 8).",
+    ]
+    assert not any("By how the questions were put" in d for d in v.details)
+    assert verdict(side(0), side(20), PARAMS).headline.endswith(  # 50%: wrong often, not mostly
+        "Not ready: a colleague would get a wrong answer often."
+    )
+
+
+def test_safe_to_use_needs_sixty_percent_and_no_forgetting():
+    assert SAFE_RECALL == 0.6
+    good = verdict(side(0), side(24), PARAMS)  # 60%
+    assert good.level == "good" and good.headline == "Learned 24 of 40 facts (was 0). Safe to use."
+    short = verdict(side(0), side(22), PARAMS)  # 55%
+    assert short.level == "partial" and "safe" not in short.headline.lower()
+    assert short.headline.startswith("Answers 22 of 40 questions")
+    for hits in (24, 32, 40):
+        v = verdict(side(0), side(hits, general=FORGOT), PARAMS)
+        assert v.level == "forgetting" and not v.ok
+        assert not any("safe" in line.lower() for line in [v.headline, *v.advice, *v.details])
+
+
+# 9 of 40 right after training: other words 3 of 22, reverse 1 of 10, table 5 of 8.
+MISSES = {"other words": (3, 22), "reverse": (1, 10), "table": (5, 8)}
+NOTHING = {kind: (0, n) for kind, (_, n) in MISSES.items()}
+
+
+def test_partial_names_the_kinds_it_handles_and_misses_and_what_to_add():
+    v = verdict(kinded(NOTHING), kinded(MISSES), PARAMS)
     assert v.level == "partial"
-    assert v.headline.startswith("Learned 12 of 40 facts (was 1). Partly learned")
+    assert v.headline == (
+        "Answers 9 of 40 questions about your documents correctly (was 0). Not ready: a "
+        "colleague would get a wrong answer most of the time."
+    )
+    assert v.advice[0] == (
+        "It answers questions looked up in a table (5 of 8) but rarely questions in a "
+        "colleague's own words (3 of 22) or asked the other way round (1 of 10). Add "
+        "question-answer pairs (CSV or JSONL) about the facts it misses, including questions in "
+        "a colleague's own words and asked the other way round, and more documents that state "
+        "those facts in different words."
+    )
+    assert "Train longer (for example 16 epochs instead of 8)." in v.advice
+    assert v.details[1] == (
+        "By how the questions were put: 22 in a colleague's own words: 3 right (was 0); "
+        "10 asked the other way round: 1 right (was 0); 8 looked up in a table: 5 right (was 0)."
+    )
+
+    # Nothing answered well: each kind it misses, by how often.
+    v = verdict(
+        kinded(NOTHING), kinded({"other words": (8, 22), "reverse": (1, 10), "table": (4, 8)})
+    )
+    assert v.level == "partial"
+    assert v.advice[0].startswith(
+        "It only sometimes answers questions in a colleague's own words (8 of 22) or looked up "
+        "in a table (4 of 8), and rarely questions asked the other way round (1 of 10)."
+    )
+
+
+def test_safe_but_weak_on_one_kind_says_which():
+    tally = {"other words": (20, 22), "reverse": (2, 10), "table": (8, 8)}  # 30 of 40
+    v = verdict(kinded(NOTHING), kinded(tally), PARAMS)
+    assert v.level == "good" and v.headline.endswith("Safe to use.")
+    assert v.advice[0].startswith(
+        "It answers questions in a colleague's own words (20 of 22) and looked up in a table "
+        "(8 of 8) but rarely questions asked the other way round (2 of 10). Add question-answer "
+        "pairs (CSV or JSONL) about the facts it misses, including questions asked the other way "
+        "round,"
+    )
 
 
 def test_forgetting_is_flagged_in_words():
-    v = verdict(side(0, general=20.0), side(30, general=20.0 * (1 + FORGETTING_RISE) + 1), PARAMS)
+    v = verdict(side(0, general=20.0), side(30, general=FORGOT), PARAMS)
     assert v.level == "forgetting" and not v.ok
     assert v.headline == (
         "Learned 30 of 40 facts (was 0), but the model got worse at general English; "

@@ -152,7 +152,7 @@ def test_stats_add_up(smol_tokenizer):
     assert s["n_heldout_qa"] == len(split.heldout_qa) == 1
     assert s["n_train_qa"] == 9
     assert s["n_probes"] == len(split.probes) == 10
-    assert {p.source for p in split.probes} == {"alpha.txt", "beta.txt"}
+    assert {p.source for p in split.probes} <= {"alpha.txt", "beta.txt"}
     assert any("same content" in note for note in s["notes"])
     assert all(isinstance(note, str) for note in s["notes"])
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from worker.dataset.probes import contains_answer, make_probes, normalise, split_sentences
+from worker.dataset.colleague import make_probes
+from worker.dataset.probes import (
+    _candidates_for_doc,
+    contains_answer,
+    normalise,
+    split_sentences,
+)
 
 HANDBOOK = """Acme Handbook
 
@@ -22,14 +28,17 @@ def _by_answer(probes):
     return {p.answer: p for p in probes}
 
 
-def test_planted_facts_become_probes():
-    probes = make_probes([("handbook.txt", HANDBOOK)])
-    found = _by_answer(probes)
+def _best_spans(text: str):
+    """Each usable sentence's best span, as a sentence completion (prompt, answer)."""
+    return [cands[0] for cands in _candidates_for_doc(0, text)]
+
+
+def test_planted_facts_become_completion_prompts():
+    found = _by_answer(_best_spans(HANDBOOK))
 
     warranty = found["36 months"]
     assert warranty.prompt.endswith("The warranty lasts")
     assert warranty.sentence == "The warranty lasts 36 months."
-    assert warranty.source == "handbook.txt"
 
     lyon = found["Lyon"]
     assert lyon.prompt.endswith("Part NW-4471 ships from")
@@ -42,13 +51,14 @@ def test_planted_facts_become_probes():
 
 
 def test_junk_is_skipped():
-    probes = make_probes([("handbook.txt", HANDBOOK)])
+    probes = _best_spans(HANDBOOK) + make_probes([("handbook.txt", HANDBOOK)])
     answers = {p.answer for p in probes}
     # Page numbers, table rows and sentences without a distinctive span give nothing.
     assert not answers & {"3", "9", "1200", "1300", "1400", "Q1", "mat", "Page"}
     assert all("cat sat" not in p.sentence for p in probes)
-    # One probe per sentence.
-    assert len({p.sentence for p in probes}) == len(probes)
+    # One forward question per sentence.
+    card = [p for p in make_probes([("handbook.txt", HANDBOOK)]) if p.kind == "other words"]
+    assert len({p.sentence for p in card}) == len(card)
 
 
 def test_no_probe_gives_its_answer_away():
@@ -56,17 +66,18 @@ def test_no_probe_gives_its_answer_away():
         "Paris sends parcels to Paris. Lyon is lovely in spring. "
         "Ask for 7 of them. The fee is 5 euros."
     )
-    probes = make_probes([("d", text)])
+    probes = _best_spans(text)
     # "Paris" is the first word or already in the prompt; "Lyon" is the first word;
     # a lone digit is too easy to hit by chance. "5 euros" is a real fact.
     assert [p.answer for p in probes] == ["5 euros"]
     for p in make_probes([("handbook.txt", HANDBOOK)]):
         assert not contains_answer(p.prompt, p.answer)
+        assert not contains_answer(p.question, p.answer)
         assert len(normalise(p.answer)) >= 2
 
 
 def test_short_prefix_gets_previous_sentence_as_context():
-    probes = make_probes([("d", "Orders are packed every morning. Ask Jane Smith.")])
+    probes = _best_spans("Orders are packed every morning. Ask Jane Smith.")
     assert len(probes) == 1
     assert probes[0].prompt == "Orders are packed every morning. Ask"
     assert probes[0].answer == "Jane Smith"
@@ -76,11 +87,13 @@ def test_ambiguous_prompts_are_dropped():
     text = "The basic price is $10. The basic price is $20. The premium tier costs $35."
     probes = make_probes([("d", text)])
     assert [p.answer for p in probes] == ["$35"]
+    assert probes[0].question == "How much does the premium tier cost?"
 
 
 def test_repeated_answers_are_used_once():
     text = "Returns are accepted within 30 days. Repairs are finished within 30 days."
-    assert len(make_probes([("d", text)])) == 1
+    [probe] = make_probes([("d", text)])
+    assert probe.question.casefold() == "how long are returns accepted?"
 
 
 def _facts(prefix: str, n: int, base: int = 100) -> str:
@@ -142,7 +155,7 @@ def test_contains_answer_matches_whole_words_after_normalising():
     ],
 )
 def test_span_kinds(sentence, prompt_end, answer):
-    [probe] = make_probes([("d", "An opening sentence. " + sentence)])
+    [probe] = _best_spans("An opening sentence. " + sentence)
     assert probe.prompt.endswith(prompt_end)
     assert probe.answer == answer
 
@@ -159,4 +172,5 @@ def test_span_kinds(sentence, prompt_end, answer):
     ],
 )
 def test_no_span_worth_asking(sentence):
+    assert _best_spans("An opening sentence. " + sentence) == []
     assert make_probes([("d", "An opening sentence. " + sentence)]) == []

@@ -7,7 +7,9 @@ import re
 
 import pytest
 
-from worker.dataset.probes import fact_spans, make_probes
+from app.contract.scores import QUESTION_KINDS
+from worker.dataset.colleague import make_probes
+from worker.dataset.probes import fact_spans
 from worker.dataset.questions import (
     PROBE_TEMPLATES,
     TRAIN_TEMPLATES,
@@ -164,10 +166,13 @@ HANDBOOK = (
 
 def test_probes_carry_a_question_and_facts_cover_every_span():
     probes = make_probes([("handbook.txt", HANDBOOK)])
-    assert {p.answer for p in probes} >= {"27 days", "NW-4471"}
+    assert {p.answer for p in probes} >= {"27 days", "Torque Sprocket"}
     for p in probes:
-        assert p.question.endswith("?") and p.template in PROBE_TEMPLATES
+        assert p.question.endswith("?") and p.kind in QUESTION_KINDS
+        assert p.template in (*PROBE_TEMPLATES, "plain", "reverse_subject", "reverse_relative")
         assert not re.search(re.escape(p.answer), p.question)
+    # Asked the other way round: what the sentence says of it, the thing itself.
+    assert any(p.kind == "reverse" and p.answer == "Torque Sprocket" for p in probes)
     facts = fact_spans([("handbook.txt", HANDBOOK)])
     answers = [f.answer for f in facts]
     # Both spans of the two-fact sentence are facts; headings and table rows give none.

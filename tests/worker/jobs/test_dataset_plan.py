@@ -86,4 +86,6 @@ def test_the_office_corpus_of_the_estimate_benchmark_is_the_size_asked(tmp_path,
     assert len(docs) == 8 and all(d.text or d.qa_pairs for d in docs)
     assert 2_700 < words < 3_600, words
     plan = count_work(docs, smol_tokenizer, default_params(words, 20, "lora"), "k")
-    assert plan.probes == 40 and plan.practice > 150 and plan.qa > 10
+    # Its files state the same facts with other values (a made-up corpus): the card asks
+    # only the few whose question has one answer.
+    assert plan.probes >= 5 and plan.practice > 150 and plan.qa > 10

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app.contract.scores import QUESTION_KINDS
 from app.contract.training import default_params
 from tests.worker.conftest_training import FACTS, tiny_model_dir
 from worker.dataset.corpus import SourceDoc
@@ -97,14 +98,16 @@ def test_lora_pipeline_end_to_end(lora_run):
         assert scores["n_probes"] > 0 and 0 <= scores["n_recalled"] <= scores["n_probes"]
         assert scores["perplexity"] > 1
         assert scores["qa"]["n"] == result["dataset"]["n_heldout_qa"]
-        assert scores["questions"]["n"] == scores["n_probes"]  # every probe also asked in chat
+        # Every fact asked in chat; the forward ones also as sentence completions.
+        assert scores["questions"]["n"] >= scores["n_probes"]
+        assert {q["kind"] for q in scores["questions"]["items"]} <= set(QUESTION_KINDS)
         assert scores["general"]["perplexity"] > 1  # the forgetting check ran
         assert scores["probe_set"] == result["scores"]["before"]["probe_set"]
     assert result["scores"]["after"]["perplexity"] != result["scores"]["before"]["perplexity"]
 
     assert [text for _, text in rec.phases] == [
         "Preparing the base model",
-        f"Scoring before training ({result['scores']['before']['n_probes']} probes)",
+        f"Scoring before training ({result['scores']['before']['questions']['n']} questions)",
         "Training",
         "Scoring after training",
         "Exporting",
