@@ -65,9 +65,8 @@ RECIPES: dict[str, dict] = {
     "default-qa5": _DEFAULT | {"generated_qa": 5},
     "default-qa4-e6": _DEFAULT | {"generated_qa": 4, "epochs": 6},
     "default-qa4-r32": _DEFAULT | {"generated_qa": 4, "lora_rank": 32},
-    # Ablations of the practice questions (the dataset builder patched for one recipe).
-    "default-no-fronted": _DEFAULT | {"ablate": "fronted"},  # no fronted question trained
-    "default-no-rev-table": _DEFAULT | {"ablate": "reverse-table"},  # no reverse/table practice
+    # An ablation: no practice question in the card's forward shape (the builder patched).
+    "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }
 
 
@@ -76,17 +75,15 @@ def _ablated(what: str | None):
     """The dataset builder without one kind of practice question, for an ablation."""
     from worker.dataset import build
 
-    saved = build.training_questions, build._reverse_and_table_practice
+    saved = build.training_questions
     if what == "fronted":
         build.training_questions = lambda fact, probed: [
-            t for t in saved[0](fact, probed) if t[0] != "fronted"
+            t for t in saved(fact, probed) if t[0] != "fronted"
         ]
-    elif what == "reverse-table":
-        build._reverse_and_table_practice = lambda docs: []
     try:
         yield
     finally:
-        build.training_questions, build._reverse_and_table_practice = saved
+        build.training_questions = saved
 
 
 def default_recipe(docs: list) -> dict:

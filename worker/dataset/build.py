@@ -194,6 +194,10 @@ def _sample(n: int, k: int, seed: int, stream: str) -> set[int]:
 # ---------------------------------------------------------------------------------------
 # Practice questions
 
+# Practice questions per fact from which the practice also asks facts the other way round
+# and recites table rows.
+REVERSE_AND_TABLES_FROM = 3
+
 # Training templates in the order they are used when only some fit (see worker.dataset.questions).
 _TEMPLATE_ORDER = ("fronted", "echo", "topic", "fill_blank", "complete")
 
@@ -225,8 +229,12 @@ def make_generated_qa(
             seen.add(key)
             out.append((question, answer))
             kept += 1
-    # The other way round, and the tables row by row: a model taught "A is B" does not
-    # answer "what is B?", nor a table cell it only read as a line of text.
+    # From 3 phrasings a fact on, the other way round and the tables row by row too: a
+    # model taught "A is B" does not answer "what is B?", nor a table cell it only read as
+    # a line of text. Not below: at 2 a fact they taught colleagues nothing measurable and
+    # cost general English (README "Making recall real").
+    if per_fact < REVERSE_AND_TABLES_FROM:
+        return out
     for question, answer in _reverse_and_table_practice(docs):
         key = normalise(question)
         if key not in seen and key not in probe_questions:

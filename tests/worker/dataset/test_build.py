@@ -206,10 +206,27 @@ def test_generated_questions_teach_facts_without_the_probe_wording(smol_tokenize
 def test_generated_questions_are_capped_per_fact(smol_tokenizer):
     doc = SourceDoc("handbook.txt", "h" * 64, FACT_TEXT)
     one = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=1)
-    three = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=3)
-    n1, n3 = one.stats["n_train_generated_qa"], three.stats["n_train_generated_qa"]
-    assert 0 < n1 < n3 <= 3 * n1
-    assert build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=3) == three
+    two = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=2)
+    n1, n2 = one.stats["n_train_generated_qa"], two.stats["n_train_generated_qa"]
+    assert 0 < n1 < n2 <= 2 * n1
+    assert build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=2) == two
+
+
+def test_reverse_and_table_practice_from_three_phrasings(smol_tokenizer):
+    text = FACT_TEXT + "\n\nCode | Product | Weight\nNW-4471 | Torque Sprocket | 2.3 kg\n" + (
+        "NW-3109 | Quiet Hinge | 0.2 kg\n"
+    )
+    doc = SourceDoc("sheet.txt", "h" * 64, text)
+
+    def prompts(n: int) -> list[str]:
+        split = build_dataset([doc], smol_tokenizer, holdout_frac=0, generated_qa=n)
+        generated = [e for e in split.train_examples if e["labels"][0] == IGNORE_INDEX]
+        return [_chat_parts(smol_tokenizer, e)[0] for e in generated]
+
+    two, three = prompts(2), prompts(3)
+    assert not any("Look up NW-3109" in p or '"___ ' in p for p in two)
+    assert any("Look up NW-3109 in the sheet." in p for p in three)  # a table row by its code
+    assert any('"___ costs $129.50' in p for p in three)  # the other way round
 
 
 def test_no_practice_question_reads_like_a_probe_question(smol_tokenizer):
