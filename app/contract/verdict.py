@@ -242,6 +242,9 @@ def _judge(
     elif forgot:
         level = "forgetting"
         headline = f"{learned[:-1]}, but the model got worse at general English; try fewer epochs."
+        if recall.rate_after < SAFE_RECALL:  # not ready either way: say both
+            headline = f"{_not_ready(recall)} It also got worse at general English."
+            advice.append(f"{_handles(kinds)} {_what_to_add(kinds)}" if kinds else _what_to_add(kinds))
         advice.append(
             f"Try fewer epochs{tips.fewer_epochs} or a lower learning rate{tips.half_lr}"
             " to keep its general skills."

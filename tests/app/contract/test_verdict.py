@@ -152,6 +152,18 @@ def test_forgetting_is_flagged_in_words():
     assert any("got worse at ordinary text" in d for d in v.details)
 
 
+def test_forgetting_below_safe_recall_also_says_not_ready():
+    v = verdict(side(0, general=20.0), side(10, general=FORGOT), PARAMS)
+    assert v.level == "forgetting"
+    assert v.headline == (
+        "Answers 10 of 40 questions about your documents correctly (was 0). Not ready: a "
+        "colleague would get a wrong answer most of the time. It also got worse at general "
+        "English."
+    )
+    assert any("Add question-answer pairs" in a for a in v.advice)
+    assert any("fewer epochs" in a for a in v.advice)
+
+
 def test_worse_than_before():
     v = verdict(side(20), side(5), PARAMS)
     assert v.level == "worse"
