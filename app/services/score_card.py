@@ -49,6 +49,7 @@ class ProbeRow:
     tuned_output: str
     tuned_hit: bool
     sentence: str = ""
+    kind: str = ""  # how the question was put (QUESTION_KINDS), "" for completions
 
 
 @dataclass
@@ -165,10 +166,29 @@ def _paired_rows(
                 tuned_output=p.output,
                 tuned_hit=p.hit,
                 sentence=getattr(p, "sentence", ""),
+                kind=getattr(p, "kind", ""),
             )
         )
     rows.sort(key=lambda r: (r.tuned_hit == r.base_hit, not r.tuned_hit))
     return rows
+
+
+def _sample(rows: list[ProbeRow], limit: int) -> list[ProbeRow]:
+    """`limit` rows for the side-by-side: the kinds of question taking turns (a sample of
+    only the easiest kind would flatter), and a question the tuned model misses among them
+    when there is one."""
+    by_kind: dict[str, list[ProbeRow]] = {}
+    for row in rows:
+        by_kind.setdefault(row.kind, []).append(row)
+    picked: list[ProbeRow] = []
+    while len(picked) < min(limit, len(rows)):
+        for queue in by_kind.values():
+            if queue and len(picked) < limit:
+                picked.append(queue.pop(0))
+    missed = next((r for r in rows if not r.tuned_hit), None)
+    if picked and missed is not None and all(r.tuned_hit for r in picked):
+        picked[-1] = missed
+    return picked
 
 
 def _qa_rows(before: QA, after: QA, limit: int) -> list[QARow]:
@@ -255,9 +275,9 @@ def score_card(
         card.recall_before = Recall(recall.before, recall.n)
         card.recall_after = Recall(recall.after, recall.n)
         card.kinds = kind_figures(before, after)
-        card.side_by_side = _paired_rows(
-            before.questions.items, after.questions.items, "question"
-        )[:side_by_side]
+        card.side_by_side = _sample(
+            _paired_rows(before.questions.items, after.questions.items, "question"), side_by_side
+        )
     if parsed.previous is not None:
         _previous_figures(card, parsed.previous, previous_label)
     card.probes = _paired_rows(before.probes, after.probes, "prompt")[:max_probes]

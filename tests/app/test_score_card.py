@@ -143,6 +143,18 @@ def test_the_card_counts_each_kind_of_question_before_and_after():
     )
 
 
+def test_side_by_side_mixes_the_kinds_and_shows_a_miss():
+    # After 5 hits: the three table questions and two in other words are right; a sample of
+    # the first five would show only answers the model got right.
+    card = score_card(with_kinds(full_scores(before_hits=0, after_hits=5), KINDS), params=PARAMS)
+    kinds = [r.kind for r in card.side_by_side]
+    assert len(kinds) == 5 and set(kinds) == {"table", "other words", "reverse"}
+    assert any(not r.tuned_hit for r in card.side_by_side)
+    # Without kinds (an older job) it is the learned facts first, and still one miss.
+    rows = score_card(full_scores(before_hits=0, after_hits=8), params=PARAMS).side_by_side
+    assert [r.tuned_hit for r in rows] == [True, True, True, True, False]
+
+
 def test_an_older_job_without_kinds_has_no_per_kind_line():
     card = score_card(full_scores(), params=PARAMS)
     assert card.kinds == [] and card.kinds_line == ""
