@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass
 
 from worker.dataset.colleague import (
+    document_reverse_questions,
     make_probes,
     reverse_practice,
-    reverse_questions,
     table_practice,
 )
 from worker.dataset.corpus import (
@@ -30,7 +30,6 @@ from worker.dataset.probes import (
     fact_spans,
     normalise,
     split_sentences,
-    usable_sentence,
 )
 from worker.dataset.questions import training_questions
 from worker.dataset.tables import find_tables
@@ -246,13 +245,7 @@ def make_generated_qa(
 def _reverse_and_table_practice(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for name, text in docs:
-        sentences = split_sentences(text)
-        lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))
-        for i, sentence in enumerate(sentences):
-            if not usable_sentence(sentence):
-                continue
-            context = sentences[i - 1] if i > 0 else ""
-            out += [reverse_practice(a) for a in reverse_questions(sentence, context, name, lowered)]
+        out += [reverse_practice(a) for _, a in document_reverse_questions(name, text)]
         for table in find_tables(name, text):
             out += table_practice(table)
     return out

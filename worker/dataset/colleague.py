@@ -364,16 +364,15 @@ def subject_of(sentence: str) -> tuple[str, str] | None:
     return None
 
 
-def _entity(subject: str, lowered: set[str]) -> str | None:
+def _entity(subject: str) -> str | None:
     """The name in a subject ("The NW-3109 Quiet Hinge" -> "Quiet Hinge"), else its code;
-    None for a common noun written with a capital ("Claims", which the document also
-    writes "claims")."""
+    None for one capitalised word opening the sentence, which may be a common noun
+    ("Claims must be filed ...")."""
     words = subject.split()
     while words and words[0].casefold() in ("the", "our", "your", "a", "an", "this", "its"):
         words = words[1:]
     codes = [w for w in words if any(c.isdigit() for c in w)]
     name = [w for w in words if not any(c.isdigit() for c in w)]
-    # One capitalised word opening a sentence may be a common noun ("Claims must be ...").
     if name and all(w[0].isupper() for w in name) and (len(name) > 1 or words[0] != name[0]):
         return " ".join(name)
     return codes[-1] if len(codes) == 1 and not name else None
@@ -392,19 +391,16 @@ def _clauses(predicate: str) -> list[str]:
     return out
 
 
-def reverse_questions(
-    fact_sentence: str, context: str, source: str, lowered: set[str] = frozenset()
-) -> list[Asked]:
-    """Questions that give what the sentence says and ask what it is said of. `lowered`:
-    the words the document writes in lower case (so "Claims" is no name)."""
+def reverse_questions(fact_sentence: str, context: str, source: str) -> list[Asked]:
+    """Questions that give what the sentence says and ask what it is said of."""
     first = fact_sentence.split()[0].casefold() if fact_sentence.split() else ""
     subject = subject_of(context) if first in ("it", "they") and context else None
     if subject is not None:
-        entity = _entity(subject[0], lowered)
+        entity = _entity(subject[0])
         predicate = fact_sentence.rstrip(".!?").split(None, 1)[1] if entity else ""
     else:
         own = subject_of(fact_sentence)
-        entity = _entity(own[0], lowered) if own else None
+        entity = _entity(own[0]) if own else None
         predicate = own[1] if own else ""
     out: list[Asked] = []
     if entity:
@@ -429,6 +425,17 @@ def reverse_questions(
                     )
                 )
     out.extend(_relative_clause(fact_sentence, source))
+    return out
+
+
+def document_reverse_questions(source: str, text: str) -> list[tuple[int, Asked]]:
+    """(sentence position, question) of every reverse question of one document."""
+    sentences = split_sentences(text)
+    out: list[tuple[int, Asked]] = []
+    for i, sentence in enumerate(sentences):
+        if usable_sentence(sentence):
+            context = sentences[i - 1] if i > 0 else ""
+            out += [(i, a) for a in reverse_questions(sentence, context, source)]
     return out
 
 
@@ -614,15 +621,9 @@ def _question_pools(docs: list[tuple[str, str]]) -> dict[str, list[list[tuple[in
                     others.append((c.position, replace(asked, prompt=c.prompt)))
                     break  # one forward question per sentence: its best span that works
         pools[OTHER].append(others)
-        sentences = split_sentences(text)
-        lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))
-        reverse: list[tuple[int, Asked]] = []
-        for i, sentence in enumerate(sentences):
-            if not usable_sentence(sentence):
-                continue
-            context = sentences[i - 1] if i > 0 else ""
-            reverse.extend((i, a) for a in reverse_questions(sentence, context, name, lowered))
+        reverse = document_reverse_questions(name, text)
         pools[REVERSE].append(reverse)
         cells = [a for t in find_tables(name, text) for a in table_questions(t)]
-        pools[TABLE].append([(len(sentences) + k, a) for k, a in enumerate(cells)])
+        # After every sentence: a position no sentence index reaches.
+        pools[TABLE].append([(len(text) + k, a) for k, a in enumerate(cells)])
     return pools
