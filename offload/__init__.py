@@ -20,6 +20,7 @@ from ._io import (
     probe_o_direct,
 )
 from ._memory import OffloadBudgetError
+from ._parallel import DataParallelError, batch_share
 from ._partition import find_blocks, is_unloaded, release_parameters
 from ._plan import Plan, activation_bytes, plan
 from .engine import OffloadEngine
@@ -27,6 +28,7 @@ from .kvcache import KVStore
 
 __all__ = [
     "AdamWConfig",
+    "DataParallelError",
     "KVStore",
     "OffloadBudgetError",
     "OffloadConfig",
@@ -36,6 +38,7 @@ __all__ = [
     "OffloadIOError",
     "Plan",
     "activation_bytes",
+    "batch_share",
     "find_blocks",
     "is_unloaded",
     "plan",

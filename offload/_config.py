@@ -47,6 +47,10 @@ class OffloadConfig:
         and the page pool lives in pinned host memory sized by host_budget_bytes.
     host_budget_bytes: with CUDA, host memory for the pinned page pool, one block's
         gradients and the host AdamW's scratch; None = budget_bytes. Unused on the CPU.
+    data_parallel: this rank trains its share of each batch and the gradients are summed
+        over torch.distributed's default process group (initialized by the caller, e.g.
+        under torchrun) before clipping and AdamW; see _parallel.py. Every rank passes its
+        own swap_dir.
     """
 
     budget_bytes: int
@@ -61,6 +65,7 @@ class OffloadConfig:
     malloc_mmap_threshold: int | None = 64 << 10
     device: str | None = None
     host_budget_bytes: int | None = None
+    data_parallel: bool = False
 
     def __post_init__(self):
         if self.budget_bytes <= 0:

@@ -47,6 +47,7 @@ class EngineState:
     resident_trainable: list[tuple[str, torch.nn.Parameter]]
     norm_order: list[torch.nn.Parameter]  # clip_grad_norm_'s reduction order
     clip: bool  # AdamWConfig.max_grad_norm is set
+    parallel: bool  # OffloadConfig.data_parallel: gradients summed across ranks
 
     # -- storage and transfers ---------------------------------------------------------------
     store: SwapStore

@@ -13,6 +13,7 @@ import torch
 from ._device import replay_rng
 from ._layout import EXP_AVG, EXP_AVG_SQ, GRAD, WEIGHT
 from ._optim import tensor_norms, total_norm
+from ._parallel import sum_across_ranks
 from ._schedule import bind_host, bind_on_device, discard, grads_to_host, load_to_device, pin
 from ._schedule import release as release_page
 from ._state import EngineState
@@ -121,6 +122,8 @@ def block_grads_ready(st: EngineState, i: int, grads: list[torch.Tensor | None])
                 view.copy_(g)
                 st.has_grad[id(p)] = True
         grads = _spilled(st, i, gp)
+    if st.final and st.parallel:  # final here: the sum over every rank's share
+        sum_across_ranks([g for g in grads if g is not None])
     if st.final and not st.clip:
         step_block(st, i, grads)
         if gp is not None:
@@ -141,6 +144,12 @@ def block_grads_ready(st: EngineState, i: int, grads: list[torch.Tensor | None])
     release_page(st, (i, GRAD), dirty=True)
     layout.unbind()
     release_page(st, (i, WEIGHT))
+
+
+def sum_resident_grads(st: EngineState) -> None:
+    """Data parallel: the resident group's gradients, summed over the ranks, before any
+    norm is taken (the blocks' were summed as each one finished)."""
+    sum_across_ranks([p.grad for _, p in st.resident_trainable if p.grad is not None])
 
 
 def clip_and_step_blocks(st: EngineState) -> None:

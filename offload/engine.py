@@ -25,6 +25,9 @@ One step (see _hooks.py for the per-block mechanics, _step.py for the steps):
   micro-batches  gradients of all but the last micro-batch are spilled and read back
             to be added (as autograd accumulates .grad), then stepped as above.
   resident  the resident group is clipped and stepped last, by its own AdamW.
+  data parallel  (OffloadConfig.data_parallel) each rank runs its share of the batch;
+            a block's gradients are summed over the ranks once final, the resident
+            group's after the backward, before any norm or step (_parallel.py).
 
 Memory: the budget covers the pool of page buffers (allocated once), the resident group
 with its gradients and Adam state, one block's gradients, AdamW's scratch tensors and
@@ -66,6 +69,7 @@ from ._malloc import fix_mmap_threshold
 from ._memory import MemoryPlan, activation_need, peak_rss_bytes, plan_memory
 from ._optim import make_optimizers, norm_order
 from ._pager import Pager
+from ._parallel import check_same_model, sum_loss, world
 from ._partition import (
     FROZEN_BASE,
     Partition,
@@ -78,7 +82,7 @@ from ._partition import (
 from ._safetensors import SafetensorsSource, map_to_files
 from ._schedule import abandon_pass, settle_device, start_schedule, stop_schedule
 from ._state import EngineState
-from ._step import clip_and_step_blocks, set_lr, step_resident
+from ._step import clip_and_step_blocks, set_lr, step_resident, sum_resident_grads
 
 LossFn = Callable[[torch.nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 
@@ -127,6 +131,11 @@ class OffloadEngine:
         blocks = list(blocks) if blocks is not None else find_blocks(model)
         unloaded = unmeta_blocks(blocks) if init_weights is not None else set()
         named = list(model.named_parameters())
+        if self.config.data_parallel:
+            self.rank, self.world_size = world()
+            check_same_model(named)
+        else:
+            self.rank, self.world_size = 0, 1
         self.device = resolve_device(self.config.device, outside_blocks(named, blocks))
         cuda = streams_to_device(self.device)
         part = partition(named, blocks)
@@ -209,6 +218,7 @@ class OffloadEngine:
                 resident_trainable=part.resident_trainable,
                 norm_order=norm_order(part.trainable),
                 clip=self.optim.max_grad_norm is not None,
+                parallel=cfg.data_parallel,
                 store=store,
                 pool=pool,
                 io=io,
@@ -286,7 +296,10 @@ class OffloadEngine:
 
         loss_fn(model, micro_batch) -> loss tensor; default: the model's own loss from
         `labels`. The batch is split into `micro_batches` slices of ceil(n / micro_batches)
-        rows, as worker/training/engines.py's InMemoryEngine splits it."""
+        rows, as worker/training/engines.py's InMemoryEngine splits it.
+
+        With OffloadConfig.data_parallel, `batch` is this rank's share (batch_share) and
+        the loss returned is the sum over the ranks (every rank gets the same)."""
         self._check_usable()
         st = self._state
         batch = self._to_device(batch)
@@ -312,6 +325,9 @@ class OffloadEngine:
                     loss = loss_fn(self.model, micro)
                 loss.backward()
                 total += loss.item()
+            if st.parallel:
+                sum_resident_grads(st)
+                total = sum_loss(total)
             if st.clip:
                 clip_and_step_blocks(st)
             step_resident(st)

@@ -1,0 +1,93 @@
+"""Data parallel: every rank holds the whole model and steps it on its share of the batch;
+the gradients are summed across the ranks before any norm is taken or any weight moves.
+
+Why not torch's DistributedDataParallel: DDP reduces in hooks on each parameter's
+AccumulateGrad, and a streamed block's gradients never reach `.grad` (they come from
+torch.autograd.grad per block and go to the block's pages, _step.py). So the engine calls
+torch.distributed's all_reduce itself, at the two places where gradients are final:
+- a streamed block's, once its last micro-batch is added (block_grads_ready), before its
+  per-tensor norms (clipping) or its AdamW step;
+- the resident group's (embeddings, lm_head, LoRA adapters), after the backward.
+With the loss divided by the token count of the whole (global) batch, the sum over ranks
+is the one-process gradient. On two ranks the sum of two values is the same float in any
+order, so the result is bitwise that of one process running the two shares as two
+micro-batches; on more ranks it is equal up to the reduction order.
+
+Every rank must bring the same gradients to each call (a parameter without a gradient on
+one rank must have none on all): an empty share is a row whose labels are all ignored
+(zero gradients), never a skipped step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+
+class DataParallelError(RuntimeError):
+    """The ranks cannot train together (no process group, or their models differ)."""
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; it must be initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DataParallelError(
+            "data_parallel needs torch.distributed's default process group "
+            "(torch.distributed.init_process_group, e.g. under torchrun)."
+        )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
+    """Sum `tensors` in place over all ranks: one all_reduce per dtype and device (the
+    tensors flattened into one buffer: fewer, larger messages; the same sums)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for same in groups.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        for t, summed in zip(same, _unflatten_dense_tensors(flat, same)):
+            t.copy_(summed)
+
+
+def batch_share(batch: dict[str, torch.Tensor], rank: int, world_size: int,
+                ignore_index: int = -100) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s rows of `batch`: the contiguous slices of ceil(n / world_size) rows that
+    OffloadEngine.step cuts for micro-batches, so the ranks' shares are one process's
+    micro-batches. A rank left without rows gets the first row with every label ignored:
+    it joins the step's reductions with zero gradients and adds nothing to the loss."""
+    n = int(batch["input_ids"].shape[0])
+    size = -(-n // world_size)
+    start = rank * size
+    if start < n:
+        return {k: v[start : start + size] for k, v in batch.items()}
+    share = {k: v[:1].clone() for k, v in batch.items()}
+    share["labels"].fill_(ignore_index)
+    return share
+
+
+def sum_loss(loss: float) -> float:
+    """The batch's loss: the ranks' shares added (in float64, as Python adds floats)."""
+    t = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t.item())
+
+
+def check_same_model(named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    """Refuse to start when the ranks' models differ (another seed, another file): each
+    rank's per-parameter float64 sums are gathered and compared with rank 0's. Parameters
+    that hold no values yet (meta) are left out on every rank alike."""
+    sums = torch.tensor(
+        [float(p.detach().double().sum()) for _, p in named if not p.is_meta] + [len(named)],
+        dtype=torch.float64,
+    )
+    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, sums)
+    differ = [r for r, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
+    if differ:
+        raise DataParallelError(
+            f"rank(s) {differ} start from other weights than rank 0: every rank must load "
+            "the same model (same files, same seed for new adapters)."
+        )

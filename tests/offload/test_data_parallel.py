@@ -1,0 +1,84 @@
+"""Data parallel through the engine: ranks started by torchrun (gloo, this machine) train
+their shares of each batch; the result is one process's with the same global batch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import batch_share
+from tests.offload import _dp_proc
+from tests.offload._factories import assert_same_weights, make_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
+
+
+def _torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={ranks}", "-m", "tests.offload._dp_proc", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+
+
+def _one_process(mode: str, tmp_path: Path, rows: int, micro: int) -> dict:
+    torch.set_num_threads(1)
+    eng = _dp_proc.engine(mode, _dp_proc.build(mode), str(tmp_path / "one"), parallel=False)
+    assert eng.streaming
+    losses = [eng.step(b, micro_batches=micro) for b in _dp_proc.batches(STEPS, rows)]
+    out = {"losses": losses, "weights": eng.model_state_dict()}
+    eng.close()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_two_ranks_are_bitwise_one_process_with_two_micro_batches(tmp_path, mode):
+    run = _torchrun(2, mode, str(tmp_path / "swap"), str(tmp_path / "out.pt"), str(STEPS), "4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = torch.load(tmp_path / "out.pt", weights_only=True)
+    one = _one_process(mode, tmp_path, rows=4, micro=2)
+    assert ranks["losses"] == one["losses"]
+    assert_same_weights(one["weights"], ranks["weights"])
+    moved = _dp_proc.build(mode).state_dict()
+    assert any(not torch.equal(moved[k], v) for k, v in ranks["weights"].items())
+
+
+def test_three_ranks_match_one_process_up_to_reduction_order(tmp_path):
+    """Three shares of two rows: gloo may add them in another order than a process adds
+    its micro-batches, so equal within float32 rounding, not bitwise: the losses within
+    1e-6, each weight tensor within 1e-5 of its norm after 4 steps (measured 1.9e-6:
+    Adam divides by sqrt(v), so the rounding of a gradient element near 0 grows)."""
+    run = _torchrun(3, "full", str(tmp_path / "swap"), str(tmp_path / "out.pt"), str(STEPS), "6")
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = torch.load(tmp_path / "out.pt", weights_only=True)
+    one = _one_process("full", tmp_path, rows=6, micro=3)
+    assert ranks["losses"] == pytest.approx(one["losses"], rel=1e-6)
+    worst = max(float((ranks["weights"][k] - w).norm() / w.norm())
+                for k, w in one["weights"].items())
+    print(f"3 ranks vs 1 process: largest tensor difference {worst:.2e} of its norm")
+    assert worst < 1e-5
+
+
+def test_ranks_with_different_weights_refuse_to_start(tmp_path):
+    run = _torchrun(2, "full", str(tmp_path / "swap"), str(tmp_path / "out.pt"), "1", "4",
+                    "--other-seed-on-rank", "1")
+    assert run.returncode != 0
+    assert "start from other weights than rank 0" in run.stderr
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_rank_without_rows_adds_nothing():
+    batch = make_batch(0, batch=3)
+    shares = [batch_share(batch, r, 4) for r in range(4)]
+    assert [s["input_ids"].shape[0] for s in shares] == [1, 1, 1, 1]
+    assert torch.equal(shares[2]["input_ids"], batch["input_ids"][2:3])
+    assert (shares[3]["labels"] == -100).all()  # joins the reductions with zero gradients
+    halves = [batch_share(batch, r, 2) for r in range(2)]
+    assert torch.equal(torch.cat([h["labels"] for h in halves]), batch["labels"])
