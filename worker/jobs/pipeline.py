@@ -29,11 +29,12 @@ from transformers import AutoTokenizer
 
 from worker.dataset.build import build_dataset
 from worker.dataset.corpus import DatasetSplit, SourceDoc
+from worker.distributed.launch import train_on_ranks
 from worker.errors import UserFacingError
 from worker.export.card import model_card
 from worker.export.writers import export_all
 from worker.files import model_digest, write_json_atomic
-from worker.jobs.model_handle import BaseModelHandle, open_base_model
+from worker.jobs.model_handle import BaseModelHandle, InMemoryBaseModel, open_base_model
 from worker.scoring.evaluate import evaluate
 from worker.scoring.previous import score_previous
 from worker.training.base_model import EMBEDDED_HUB_ID, EMBEDDED_NAME, resolve_base_model
@@ -103,6 +104,7 @@ def run_pipeline(
     stream_base: str = "auto",
     device: str = "cpu",
     scores_cache: Path | None = None,
+    processes: int = 1,
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
@@ -129,6 +131,9 @@ def run_pipeline(
     `scores_cache`: a folder where the base model's "before" scores are kept across jobs, so a
     retrain on the same documents (other epochs, learning rate, method) does not score the
     base model again (see _before_key for what they are filed under).
+    `processes`: data-parallel training processes on this machine (worker/distributed/);
+    the result is the one process's (bitwise for 2, to float rounding for more). A base
+    model streamed from the disk trains in one.
     """
     hooks = hooks or Hooks()
     configure_threads()
@@ -150,9 +155,20 @@ def run_pipeline(
         before, previous = _score_base_model(base, tokenizer, split, job, workdir, hooks, score,
                                              scores_cache)
     recipe = _recipe(base, tokenizer, split, job, workdir, hooks)
+    on_ranks = processes > 1 and isinstance(base, InMemoryBaseModel)
+    if on_ranks:
+        with phases("train"):
+            if job.start_model is not None:  # the previous version, before the ranks train it
+                previous = _previous_scores(workdir, job.job_key, hooks,
+                                            lambda: score(base.model))
+            train_on_ranks(base, recipe, processes, hooks, start_adapter=job.start_adapter,
+                           start_model=job.start_model)
     recipe.setup()
+    if on_ranks and recipe.progress.step < recipe.total_steps:
+        raise UserFacingError("The training processes finished, but their checkpoint could "
+                              "not be read back. Run the job again.")
     try:
-        if job.start_model is not None:  # scored through the training engine, before it trains
+        if job.start_model is not None and not on_ranks:  # through the engine, before it trains
             with phases("before"):
                 previous = _previous_scores(workdir, job.job_key, hooks,
                                             lambda: score(recipe.model))

@@ -87,6 +87,7 @@ class InMemoryEngine:
             self.optimizer, warmup_linear_decay(total_steps, warmup_steps)
         )
         self.steps_done = 0
+        self.rank, self.world_size = 0, 1  # one process (data parallel: the offload engine)
 
     @property
     def learning_rate(self) -> float:
@@ -198,6 +199,7 @@ class OffloadTrainEngine:
         init_weights=None,
         device: str | None = None,
         host_budget_bytes: int | None = None,
+        data_parallel: bool = False,
     ) -> None:
         from offload import AdamWConfig, OffloadConfig, OffloadEngine, find_blocks
 
@@ -226,6 +228,7 @@ class OffloadTrainEngine:
             # host memory of host_budget_bytes.
             device=device,
             host_budget_bytes=host_budget_bytes,
+            data_parallel=data_parallel,
         )
         files = [os.fspath(f) for f in weights_files or []]
         # init_weights: fills the pages of block parameters that hold no values (a model
@@ -233,6 +236,8 @@ class OffloadTrainEngine:
         self.engine = OffloadEngine(
             model, optim, config, weights_files=files or None, init_weights=init_weights
         )
+        # Data parallel (worker/distributed/): this process is rank `rank` of `world_size`.
+        self.rank, self.world_size = self.engine.rank, self.engine.world_size
 
     @property
     def learning_rate(self) -> float:
@@ -240,13 +245,24 @@ class OffloadTrainEngine:
         return self.base_lr * self._factor(self.steps_done)
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
-        """One optimizer step on `batch`; returns the mean token loss of the batch."""
+        """One optimizer step on `batch`; returns the mean token loss of the batch.
+
+        Data parallel: every rank is handed the whole batch and runs its share of the rows
+        (offload.batch_share), in grad_accum / world_size micro-batches; the loss is still
+        divided by the whole batch's token count, so the summed gradients are one
+        process's."""
+        from offload import batch_share
+
         denom = max(1, int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()))
+        micro_batches = self.grad_accum
+        if self.world_size > 1:
+            batch = batch_share(batch, self.rank, self.world_size, IGNORE_INDEX)
+            micro_batches = max(1, self.grad_accum // self.world_size)
         self.engine.set_lr(self.learning_rate)
         loss = self.engine.step(
             batch,
             loss_fn=lambda model, micro: lm_loss_sum(model, micro) / denom,
-            micro_batches=self.grad_accum,
+            micro_batches=micro_batches,
         )
         self.steps_done += 1
         return loss

@@ -88,10 +88,15 @@ class EngineOptions:
     # (None: half of the free RAM) holds the engine's page pool. None: where the model is.
     device: str | None = None
     host_budget_bytes: int | None = None
+    # One rank of a data-parallel run (worker/distributed/): torch.distributed is set up,
+    # every rank trains its share of each batch, rank 0 alone writes the checkpoints.
+    data_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
             raise ValueError(f"Unknown engine {self.kind!r}; use one of {ENGINES}.")
+        if self.data_parallel and self.kind != "offload":
+            raise ValueError("Data parallel runs through the offload engine only.")
 
 
 @dataclass
@@ -301,6 +306,7 @@ class FineTuneRecipe:
             init_weights=opts.init_weights,
             device=opts.device,
             host_budget_bytes=host_budget,
+            data_parallel=opts.data_parallel,
             **common,
         )
         t = engine.telemetry()
@@ -502,6 +508,18 @@ class FineTuneRecipe:
             return self.checkpoint_dir  # up to date (train() always ends with a checkpoint)
         if self.engine is None:
             raise RuntimeError("call setup() first")
+        if self.engine.world_size > 1:  # data parallel: rank 0 writes
+            if self.engine.rank == 0:
+                self._write_checkpoint()
+            import torch.distributed as dist
+
+            dist.barrier()  # no rank goes on before the checkpoint is in place
+            self._last_saved_step = self.progress.step
+            return self.checkpoint_dir
+        self._write_checkpoint()
+        return self.checkpoint_dir
+
+    def _write_checkpoint(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_dir
         shutil.rmtree(tmp, ignore_errors=True)
@@ -519,7 +537,6 @@ class FineTuneRecipe:
         fsync_dir(self.workdir)
         shutil.rmtree(self._old_dir, ignore_errors=True)
         self._last_saved_step = self.progress.step
-        return self.checkpoint_dir
 
     def cleanup(self, remove_checkpoint: bool = False, restore: bool = True) -> None:
         """Close the engine (with `restore` the model keeps its weights); with

@@ -1,0 +1,113 @@
+"""A job trained on two data-parallel processes (torchrun, gloo) gives the one-process job's
+result bit for bit, stops when cancelled, and after a lost process says so and resumes.
+Full fine-tuning on several ranks is bitwise too: tests/offload/test_data_parallel.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from tests.worker.conftest_training import tiny_model_dir
+from tests.worker.jobs.test_pipeline import DOCS, Recorder, params
+from worker.errors import UserFacingError
+from worker.jobs.pipeline import Cancelled, run_pipeline
+
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
+
+# Two micro-batches per step: one process runs them one after the other, two ranks one
+# each, and the sum of two gradients is the same float in either order. Epochs enough for
+# the ranks to be still training when the job's process (polling each second) cancels or
+# kills one at step 3.
+TWO_MICRO = {"batch_size": 2, "grad_accum": 2, "epochs": 6}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smol_tokenizer):
+    return tiny_model_dir(tmp_path_factory, smol_tokenizer)
+
+
+def _run(tiny_dir, workdir, rec, processes, **overrides):
+    result = run_pipeline(DOCS, params(**TWO_MICRO, **overrides), str(tiny_dir),
+                          workdir / "models", workdir, rec.hooks(), processes=processes)
+    return result | {"losses": {p["step"]: p["loss"] for p in rec.progress}}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_dir, tmp_path_factory):
+    return _run(tiny_dir, tmp_path_factory.mktemp("one"), Recorder(), 1)
+
+
+def _same_training(a: dict, b: dict) -> None:
+    """The same losses at every step this run reported, the same final loss, and the same
+    scores after training (perplexities to the last bit: the same weights)."""
+    assert b["losses"] and all(a["losses"][s] == loss for s, loss in b["losses"].items())
+    assert a["metrics"]["final_loss"] == b["metrics"]["final_loss"]
+    assert a["metrics"]["steps"] == b["metrics"]["steps"]
+    assert a["scores"]["after"] == b["scores"]["after"]
+
+
+def test_lora_on_two_processes_equals_one(tiny_dir, tmp_path, one_process):
+    rec = Recorder()
+    result = _run(tiny_dir, tmp_path, rec, 2)
+    _same_training(one_process, result)
+    assert ("running", "Training on 2 processes") in rec.phases
+    # rank 0's progress reached the job, one line per step
+    assert [p["step"] for p in rec.progress] == list(range(1, result["metrics"]["steps"] + 1))
+    assert rec.progress[-1]["loss"] == result["metrics"]["final_loss"]
+    assert result["artifacts"]["adapter"]
+
+
+def test_cancel_stops_the_processes_and_a_rerun_finishes_the_same(tiny_dir, tmp_path,
+                                                                 one_process):
+    cancel = Recorder(cancel_at=3)
+    with pytest.raises(Cancelled, match="Cancelled at step"):
+        _run(tiny_dir, tmp_path, cancel, 2)
+    assert cancel.progress[-1]["step"] < cancel.progress[-1]["total_steps"]
+    assert (tmp_path / "checkpoint" / "meta.json").is_file()
+    assert not _ranks_alive()
+    _same_training(one_process, _run(tiny_dir, tmp_path, Recorder(), 2))
+
+
+def _ranks_alive() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True)
+            if "worker.distributed.rank" in " ".join(p.cmdline())]
+
+
+class KillRank(Recorder):
+    """At step `at`, SIGKILLs rank 1: a process (or its machine) lost mid-job."""
+
+    def __init__(self, at: int):
+        super().__init__()
+        self.at, self.killed = at, None
+
+    def hooks(self):
+        hooks = super().hooks()
+        record = hooks.on_progress
+
+        def on_progress(info):
+            record(info)
+            if self.killed is None and info["step"] >= self.at:
+                rank1 = [p for p in _ranks_alive() if p.environ().get("RANK") == "1"]
+                assert rank1, f"rank 1 was gone at step {info['step']} of {info['total_steps']}"
+                os.kill(rank1[0].pid, signal.SIGKILL)
+                self.killed = rank1[0].pid
+
+        hooks.on_progress = on_progress
+        return hooks
+
+
+def test_a_lost_process_stops_the_job_in_words_and_it_resumes(tiny_dir, tmp_path,
+                                                             one_process):
+    rec = KillRank(at=3)
+    with pytest.raises(UserFacingError, match=r"A training process stopped during step \d+ "
+                                              r".*continues from its last checkpoint"):
+        _run(tiny_dir, tmp_path, rec, 2)
+    assert rec.killed is not None and not _ranks_alive()
+    resumed = Recorder()
+    result = _run(tiny_dir, tmp_path, resumed, 2)
+    _same_training(one_process, result)
+    assert resumed.progress[0]["step"] > 1  # from the checkpoint, not from the start
