@@ -4,7 +4,8 @@ Migrations -> embedded model prepared -> Redis (private one if REDIS_URL is unse
 three Celery workers (ingest: quick extraction tasks; train: one job at a time, so jobs
 queue one after another; chat: one reply at a time, models kept loaded) -> the folder watcher (app/watcher/) -> the web app, whose
 address and one-time setup link are printed and, once it answers, opened in the browser.
-Ctrl-C (or SIGTERM) stops all of it."""
+Ctrl-C (or SIGTERM) stops all of it. `doctune worker` starts some of the same workers alone
+(`run_workers`), on this machine or on one that joins another's DocTune."""
 
 from __future__ import annotations
 
@@ -33,9 +34,21 @@ ANSWER_WAIT_S = 60.0
 TEXT_BROWSERS = frozenset({"www-browser", "links", "elinks", "lynx", "w3m"})
 
 
-def _worker_cmd(queue: str, concurrency: int) -> list[str]:
+# Each queue's worker: how many tasks at once, and its other Celery options.
+WORKERS: dict[str, tuple[int, list[str]]] = {
+    INGEST_QUEUE: (2, []),
+    TRAIN_QUEUE: (1, []),
+    # One reply at a time, the models kept loaded between replies.
+    CHAT_QUEUE: (1, ["--max-tasks-per-child", "100000"]),
+}
+
+
+def worker_cmd(queue: str) -> list[str]:
+    """The Celery worker of `queue`, named `queue@<this host>` (the registry's node name)."""
+    concurrency, options = WORKERS[queue]
     return [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-            "-Q", queue, "-c", str(concurrency), "-n", f"{queue}@%h", "--loglevel", "INFO"]
+            "-Q", queue, "-c", str(concurrency), "-n", f"{queue}@%h", "--loglevel", "INFO",
+            *options]
 
 
 def _address() -> str:
@@ -131,7 +144,60 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["DOCTUNE_DATA_DIR"] = str(settings.data_dir)
     env["REDIS_URL"] = settings.broker_url
+    if settings.database_url:  # set on the command line (`doctune worker --database`)
+        env["DATABASE_URL"] = settings.database_url
     return env
+
+
+Procs = list[tuple[str, subprocess.Popen]]
+
+
+def _stop_all(procs: Procs) -> None:
+    for _name, p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    for _name, p in reversed(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def supervise(start: Callable[[Procs], None], stopping: threading.Event | None = None) -> int:
+    """Run the processes `start` starts (it appends each as it starts it) until Ctrl-C or
+    SIGTERM (0) or until one exits by itself (1, named); then stop them all, newest first.
+    `stopping` is set first, for threads that must not act once the processes go."""
+    procs: Procs = []
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        start(procs)
+        while True:
+            for name, p in procs:
+                if p.poll() is not None:
+                    print(f"{name} exited (code {p.returncode}); stopping DocTune.", flush=True)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nStopping DocTune...", flush=True)
+        return 0
+    finally:
+        if stopping is not None:
+            stopping.set()
+        _stop_all(procs)
+
+
+def run_workers(queues: list[str]) -> int:
+    """`doctune worker`: one Celery worker per queue, as `doctune up` runs them, until Ctrl-C."""
+    env = child_env()
+
+    def start(procs: Procs) -> None:
+        for queue in queues:
+            procs.append((f"{queue} worker", subprocess.Popen(worker_cmd(queue), env=env)))
+        print(f"DocTune workers for {', '.join(queues)} started; press Ctrl-C to stop.",
+              flush=True)
+
+    return supervise(start)
 
 
 def run(with_web: bool = True) -> int:
@@ -139,33 +205,17 @@ def run(with_web: bool = True) -> int:
     print(f"DocTune data folder: {settings.data_dir}", flush=True)
     upgrade_to_head()
     env = child_env()
-    procs: list[tuple[str, subprocess.Popen]] = []
     stopping = threading.Event()
 
-    def stop_all(*_args) -> None:
-        for _name, p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _name, p in reversed(procs):
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
+    def start(procs: Procs) -> None:
         if settings.base_model == "embedded":
             print("Preparing the embedded model (first run only)...", flush=True)
             subprocess.run([sys.executable, "-m", "worker.cli.prepare"], env=env, check=True)
         if not settings.redis_url:
             procs.append(("redis", start_private_redis(settings.redis_dir,
                                                        settings.private_redis_port)))
-        procs.append(("ingest worker", subprocess.Popen(_worker_cmd(INGEST_QUEUE, 2), env=env)))
-        procs.append(("train worker", subprocess.Popen(_worker_cmd(TRAIN_QUEUE, 1), env=env)))
-        # One reply at a time, the models kept loaded between replies.
-        procs.append(("chat worker", subprocess.Popen(
-            [*_worker_cmd(CHAT_QUEUE, 1), "--max-tasks-per-child", "100000"], env=env)))
+        for queue in (INGEST_QUEUE, TRAIN_QUEUE, CHAT_QUEUE):
+            procs.append((f"{queue} worker", subprocess.Popen(worker_cmd(queue), env=env)))
         procs.append(("folder watcher", subprocess.Popen([sys.executable, "-m", "app.watcher"],
                                                          env=env)))
         print(f"Watched folders: {settings.inbox_dir} (one per project)", flush=True)
@@ -178,18 +228,8 @@ def run(with_web: bool = True) -> int:
                 print("  No one has signed in yet. Open this one-time link to make yourself\n"
                       f"  DocTune's admin:\n\n      {link}\n", flush=True)
             print("  Press Ctrl-C to stop.\n", flush=True)
-            if browser_wanted():  # in the background: the loop below keeps watching
+            if browser_wanted():  # in the background: the supervisor keeps watching
                 threading.Thread(target=_open_once_answering, daemon=True,
                                  args=(link or _address() + "/", stopping)).start()
-        while True:
-            for name, p in procs:
-                if p.poll() is not None:
-                    print(f"{name} exited (code {p.returncode}); stopping DocTune.", flush=True)
-                    return 1
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\nStopping DocTune...", flush=True)
-        return 0
-    finally:
-        stopping.set()
-        stop_all()
+
+    return supervise(start, stopping)

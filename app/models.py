@@ -223,6 +223,36 @@ class AllowedFolder(Base):
     added_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
+class Worker(Base):
+    """A Celery worker process on some machine, as it registered itself when it became ready
+    (worker/registry.py); the admin's Workers page. What it runs is the jobs it claimed
+    (Job.claimed_by is this node name)."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    node: Mapped[str] = mapped_column(String(200), unique=True)  # Celery's, e.g. "train@host"
+    host: Mapped[str] = mapped_column(String(200))
+    queues: Mapped[list[str]] = mapped_column(JSON, default=list)
+    hardware: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # contract.workers
+    version: Mapped[str] = mapped_column(String(40))  # DocTune's, on that machine
+    started_at: Mapped[datetime] = mapped_column(DateTime)
+    # Refreshed every contract.workers.HEARTBEAT_EVERY_S while it runs.
+    last_seen_at: Mapped[datetime] = mapped_column(DateTime)
+    stopped_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)  # shut down
+
+
+class Instance(Base):
+    """This DocTune's id: one row, made by migration 0011. The main machine writes the same
+    id into its data folder (app/instance.py), so a machine that joins can tell that the
+    folder it mounted belongs to this database."""
+
+    __tablename__ = "instance"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
+
+
 # The account tables live in app/accounts/models.py and the audit log in app/audit.py;
 # imported here so that Base.metadata (Alembic, the migration test) knows every table. The
 # chat's tables (app/chat/models.py, which imports this module's) are registered by

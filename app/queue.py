@@ -31,9 +31,10 @@ def make_celery(name: str = "doctune") -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # a busy worker hoards nothing
         broker_connection_retry_on_startup=True,
-        # Redis redelivers an unacknowledged message after this; training jobs also
-        # reconcile at worker start (worker/reconcile.py), so this is only a backstop.
-        broker_transport_options={"visibility_timeout": 6 * 3600},
+        # Redis redelivers an unacknowledged message after this (DOCTUNE_VISIBILITY_TIMEOUT_S,
+        # longer than a job: app/settings.py); training jobs also reconcile at worker start
+        # (worker/reconcile.py), so this is only a backstop.
+        broker_transport_options={"visibility_timeout": settings.visibility_timeout_s},
         task_routes=ROUTES,
     )
     return celery

@@ -15,11 +15,20 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DOCTUNE_", env_file=".env", extra="ignore")
 
     data_dir: Path = Field(default=Path.home() / "DocTune" / "data")
+    swap_path: Path | None = Field(default=None, validation_alias="DOCTUNE_SWAP_DIR")
     # Unprefixed names are the ones docker, Heroku-style hosts and users already know.
     database_url: str | None = Field(default=None, validation_alias="DATABASE_URL")
     redis_url: str | None = Field(default=None, validation_alias="REDIS_URL")
     # Port of the private redis-server the launcher starts when REDIS_URL is unset.
     private_redis_port: int = 6389
+    # Redis hands a task no worker has acknowledged yet to another worker after this long.
+    # A job is acknowledged when it ends (app/queue.py), so this must outlast the longest job;
+    # nothing bounds a job's length (50 epochs of any amount of text, a base model streamed
+    # from the disk), so the default is a week, far past the jobs timed so far (minutes; the
+    # README expects hours for large corpora). A job that runs longer is delivered again but
+    # run once: the second delivery finds it claimed (worker/jobs/run.py). Every machine's
+    # workers sweep the same Redis with their own value: set the same on all.
+    visibility_timeout_s: int = Field(default=7 * 24 * 3600, gt=0)
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -59,6 +68,10 @@ class Settings(BaseSettings):
     # Where training jobs compute: "cpu"; "cuda" (or "auto": the GPU when there is one) puts
     # the offload engine's blocks on the GPU. Not yet run on a GPU: scripts/cuda_check.sh.
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    # Data-parallel training processes per job on this machine (worker/distributed/): one
+    # per GPU, or a few on a many-core CPU; each holds the model and a share of the memory
+    # budget. 1: the job trains in the worker's own process.
+    train_processes: int = Field(default=1, ge=1, le=64)
 
     # The reader box (worker/extract/sandbox.py): each document is read in a child process
     # that may use this much memory (address space, MB), CPU time and wall-clock time (s).
@@ -178,8 +191,25 @@ class Settings(BaseSettings):
 
     @property
     def swap_dir(self) -> Path:
-        """Scratch files of the offload engine (one folder per running job)."""
-        return self.data_dir / "swap"
+        """Scratch files of the offload engine (one folder per running job): DOCTUNE_SWAP_DIR,
+        else in the data folder. A machine that joins over a shared folder sets it to a
+        local disk, so the engine does not page over the network."""
+        return self.swap_path or self.data_dir / "swap"
+
+    def stored_path(self, path: str | Path) -> str:
+        """How a file in the data folder is kept in the database: relative to the folder,
+        so every machine that mounts it (wherever) finds the file. Other paths stay as
+        they are."""
+        p = Path(path)
+        try:
+            return str(p.resolve().relative_to(self.data_dir.resolve()))
+        except ValueError:
+            return str(p)
+
+    def data_path(self, stored: str | Path) -> Path:
+        """A path kept in the database (stored_path), on this machine."""
+        p = Path(stored)
+        return p if p.is_absolute() else self.data_dir / p
 
     @property
     def machine_profile_path(self) -> Path:

@@ -1,13 +1,18 @@
-"""The Celery worker application: `celery -A worker.celery_app worker -Q train|ingest`."""
+"""The Celery worker application: `celery -A worker.celery_app worker -Q train|ingest|chat`."""
 
 from __future__ import annotations
 
 import logging
+import socket
 
-from celery.signals import worker_ready
+from celery.signals import celeryd_after_setup, worker_process_init, worker_ready, worker_shutdown
 
-from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE
+from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE, node_queue
+from app.db import get_engine
 from app.queue import make_celery
+from worker import registry
+
+log = logging.getLogger(__name__)
 
 celery = make_celery("doctune-worker")
 celery.conf.update(
@@ -17,11 +22,27 @@ celery.conf.update(
 )
 
 
+def _queues(app) -> set[str]:
+    return {q.name for q in app.amqp.queues.consume_from.values()}
+
+
+@celeryd_after_setup.connect
+def _consume_node_queue(sender, instance, **_kwargs) -> None:
+    """A train worker also consumes its machine's own queue (app.contract.tasks.node_queue),
+    so that a part of a job can be sent to this machine. Added here, after -Q is applied (the
+    way Celery's documentation adds a per-node queue), so every way of starting a train worker
+    has it: `doctune up`, `doctune worker [--join]`, docker compose, celery by hand."""
+    if TRAIN_QUEUE in _queues(instance.app):
+        instance.app.amqp.queues.select_add(node_queue(socket.gethostname()))
+
+
 @worker_ready.connect
-def _reconcile_on_start(sender, **_kwargs) -> None:
-    """A train worker that starts resumes jobs left running by a crashed one; an ingest
-    worker fails the documents a crashed one was reading."""
-    queues = {q.name for q in sender.app.amqp.queues.consume_from.values()} if sender else set()
+def _on_ready(sender, **_kwargs) -> None:
+    """Every worker registers itself (worker/registry.py). A train worker that starts resumes
+    jobs left running by a crashed one; an ingest worker fails the documents a crashed one was
+    reading."""
+    queues = _queues(sender.app)
+    _register(sender.hostname, queues)
     if INGEST_QUEUE in queues:
         from worker.reconcile import fail_abandoned_reads
 
@@ -33,6 +54,30 @@ def _reconcile_on_start(sender, **_kwargs) -> None:
         _measure_machine()
 
 
+@worker_shutdown.connect
+def _on_shutdown(sender, **_kwargs) -> None:
+    try:
+        registry.stop(sender.hostname)
+    except Exception:  # the page will call it offline a little later instead of stopped
+        log.exception("could not mark this worker stopped in the registry")
+
+
+@worker_process_init.connect
+def _fresh_connections(**_kwargs) -> None:
+    """A pool child starts its own database connections: the parent keeps using the ones it
+    made (the start-up reconciling, the registry's heartbeat thread), and a connection or a
+    pool lock shared across fork breaks both sides. SQLAlchemy's advice for fork: dispose
+    without closing, so the parent's connections stay good."""
+    get_engine().dispose(close=False)
+
+
+def _register(node: str, queues: set[str]) -> None:
+    try:
+        registry.start(node, sorted(queues))
+    except Exception:  # the admin's list is a nicety: never keep the worker from starting
+        log.exception("could not register this worker")
+
+
 def _measure_machine() -> None:
     """Measure disk and CPU speed once, in a child process, for the Train button's estimate."""
     from worker.training.machine_profile import start_measuring
@@ -40,4 +85,4 @@ def _measure_machine() -> None:
     try:
         start_measuring()
     except Exception:  # an estimate is a nicety: never keep the worker from starting
-        logging.getLogger(__name__).exception("could not start measuring this machine")
+        log.exception("could not start measuring this machine")

@@ -6,6 +6,13 @@ INGEST_QUEUE = "ingest"
 TRAIN_QUEUE = "train"
 CHAT_QUEUE = "chat"  # one reply at a time, the models kept loaded (worker/chat/)
 
+
+def node_queue(host: str) -> str:
+    """The queue only the train workers of machine `host` consume (on top of TRAIN_QUEUE), so
+    that a part of a job can be sent to that machine."""
+    return f"node.{host}"
+
+
 INGEST_TASK = "doctune.ingest_document"  # (document id)
 TRAIN_TASK = "doctune.train_job"  # (job id)
 CHAT_TASK = "doctune.chat_reply"  # (chat message id)

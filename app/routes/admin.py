@@ -1,5 +1,6 @@
-"""The admin's pages besides accounts: the audit log (with a CSV export) and the folders
-watched folders may be in. The door (app/accounts/door.py) lets only admins reach /admin."""
+"""The admin's pages besides accounts: the audit log (with a CSV export), the folders
+watched folders may be in, and the workers (this machine's and those that joined). The door
+(app/accounts/door.py) lets only admins reach /admin."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from fastapi.responses import RedirectResponse, Response
 from app import audit
 from app.accounts import service as accounts
 from app.audit import Action, Filter, record_request
+from app.contract.workers import HEARTBEAT_EVERY_S, ONLINE_WITHIN_S
 from app.db import SessionDep
 from app.services import allowed_folders as folders
 from app.services.errors import InvalidInput
+from app.services.workers import worker_rows
 from app.settings import settings
 
 from .templating import render
@@ -110,3 +113,10 @@ def remove_folder(request: Request, session: SessionDep, folder_id: int) -> Resp
     row = folders.remove_folder(session, folder_id)
     record_request(request, session, Action.folder_removed, row.path)
     return RedirectResponse("/admin/folders", status_code=303)
+
+
+@router.get("/admin/workers", name="workers")
+def workers_page(request: Request, session: SessionDep) -> Response:
+    context = {"workers": worker_rows(session), "heartbeat_s": HEARTBEAT_EVERY_S,
+               "online_within_s": ONLINE_WITHIN_S}
+    return render(request, "admin_workers.html", context)

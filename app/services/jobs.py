@@ -237,10 +237,7 @@ def artifact_file(job: Job, kind: str) -> Path:
         if failed:
             raise NotFound(str(failed))
         raise NotFound(f"This job has no {label.split(' (')[0].lower()} to download.")
-    path = Path(raw)
-    if not path.is_absolute():
-        path = settings.data_dir / path
-    path = path.resolve()
+    path = settings.data_path(raw).resolve()
     if not path.is_relative_to(settings.data_dir.resolve()) or not path.is_file():
         raise NotFound("The file for this download is missing from the data folder.")
     return path

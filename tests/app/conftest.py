@@ -102,7 +102,7 @@ def env(app_env: AppEnv) -> Iterator[AppEnv]:
     from app.accounts.models import User
     from app.audit import AuditEvent
     from app.db import session_scope
-    from app.models import AllowedFolder, Document, Job, Project
+    from app.models import AllowedFolder, Document, Job, Project, Worker
     from app.settings import settings
 
     limits = (settings.max_upload_mb, settings.max_files_per_upload)
@@ -118,6 +118,7 @@ def env(app_env: AppEnv) -> Iterator[AppEnv]:
         session.execute(delete(User))  # their sessions, tokens and links go with them
         session.execute(delete(AuditEvent))
         session.execute(delete(AllowedFolder))
+        session.execute(delete(Worker))
     for sub in ("documents", "jobs"):
         shutil.rmtree(app_env.data_dir / sub, ignore_errors=True)
     app_env.redis.flushdb()

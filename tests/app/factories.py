@@ -9,7 +9,8 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from app.models import DocStatus, Document, Job, JobState, Project
+from app.db import utcnow
+from app.models import DocStatus, Document, Job, JobState, Project, Worker
 
 # A real (if minimal) one-page PDF: the web side only names, sizes and hashes it.
 MINI_PDF = (
@@ -139,6 +140,26 @@ def make_job(
     session.add(job)
     session.flush()
     return job
+
+
+def make_worker(session: Session, node: str = "train@gpu-box", **fields: Any) -> Worker:
+    """A registered worker, as worker/registry.py writes one: seen just now unless told."""
+    now = utcnow()
+    values: dict[str, Any] = {
+        "host": node.partition("@")[2] or "gpu-box",
+        "queues": ["node.gpu-box", "train"],
+        "hardware": {"cpu": "AMD EPYC 9654 96-Core Processor", "cores": 16,
+                     "ram_bytes": 128 * 2**30,
+                     "gpus": [{"name": "NVIDIA H200", "memory_bytes": 143771 * 2**20}]},
+        "version": "0.1.0",
+        "started_at": now,
+        "last_seen_at": now,
+    }
+    values.update(fields)
+    worker = Worker(node=node, **values)
+    session.add(worker)
+    session.flush()
+    return worker
 
 
 def write_artifact(data_dir: Path, job_id: int, kind: str, size: int = 3 * 1024 * 1024) -> Path:

@@ -106,7 +106,7 @@ def _claim(message_id: int, events: Events) -> Claimed | None:
             raw = (job.artifacts or {}).get(kind)
             artifact = None
             if raw:
-                artifact = Path(raw) if Path(raw).is_absolute() else settings.data_dir / raw
+                artifact = settings.data_path(raw)
             version = Version(job.id, job.method, artifact)
         turns = _turns([m for m in conversation.messages if m.id < message_id])
         message.state, message.started_at = ReplyState.running, utcnow()

@@ -113,7 +113,9 @@ def train_project(project_id: int, overrides: dict[str, Any],
         return result | {"state": job.state, "error": job.error, "params": job.params,
                          "scores": job.scores, "dataset": job.dataset, "metrics": job.metrics,
                          "export_errors": job.export_errors or {},
-                         "artifacts": job.artifacts, "loss_history": job.loss_history,
+                         "artifacts": {k: str(settings.data_path(v))
+                                       for k, v in (job.artifacts or {}).items()},
+                         "loss_history": job.loss_history,
                          "estimate": job.estimate}
 
 

@@ -3,6 +3,8 @@
   doctune up                 run everything (Redis if needed, workers, web app)
   doctune web [--migrate]    only the web app (docker-compose runs one process per service)
   doctune watch              only the folder watcher (each project's inbox folder)
+  doctune worker [--join]    only Celery workers; --join: on another machine, against the
+                             main machine's Redis, PostgreSQL and data folder (checked first)
   doctune train DIR ...      headless: documents in DIR -> tuned model zip, same code as the web job
 """
 
@@ -44,6 +46,38 @@ def _cmd_watch(_args) -> int:
     from app.watcher import main as watch
 
     return watch()
+
+
+def _queue_list(text: str) -> list[str]:
+    from app.launcher import WORKERS
+
+    queues = [q.strip() for q in text.split(",") if q.strip()]
+    unknown = [q for q in queues if q not in WORKERS]
+    if unknown or not queues:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(unknown) or text!r}: the queues are {', '.join(WORKERS)}")
+    return list(dict.fromkeys(queues))
+
+
+def _cmd_worker(args) -> int:
+    from app.launcher import run_workers
+    from app.settings import settings
+    from worker.cli.join import join_problems
+
+    if args.redis:
+        settings.redis_url = args.redis
+    if args.database:
+        settings.database_url = args.database
+    if args.data_dir:
+        settings.data_dir = Path(args.data_dir).expanduser()
+    if args.join:
+        problems = join_problems()
+        for problem in problems:
+            print(f"Cannot join: {problem}\n", file=sys.stderr)
+        if problems:
+            return 2
+        print(f"Joining the DocTune whose data folder is {settings.data_dir}.", flush=True)
+    return run_workers(args.queues)
 
 
 # Shorter spellings kept for scripts written against earlier versions.
@@ -111,6 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     web.add_argument("--migrate", action="store_true", help="apply database migrations first")
     web.set_defaults(func=_cmd_web)
     sub.add_parser("watch", help="only the folder watcher").set_defaults(func=_cmd_watch)
+    worker = sub.add_parser("worker", help="only Celery workers (--join: from another machine)")
+    worker.add_argument("--join", action="store_true",
+                        help="join the main machine's DocTune: check its Redis, database and "
+                             "data folder first (never migrates)")
+    worker.add_argument("--queues", type=_queue_list, default=["train"],
+                        help="comma-separated: train, ingest, chat (default: train)")
+    worker.add_argument("--redis", help="the main machine's Redis URL (default: REDIS_URL)")
+    worker.add_argument("--database", help="the main machine's PostgreSQL URL (default: "
+                                           "DATABASE_URL)")
+    worker.add_argument("--data-dir", help="the main machine's data folder, mounted here "
+                                           "(default: DOCTUNE_DATA_DIR)")
+    worker.set_defaults(func=_cmd_worker)
     train = sub.add_parser("train", help="train on the documents in a folder, without the web app")
     train.add_argument("dir", help="folder of documents (PDF, DOCX, HTML, MD, TXT, CSV/JSONL Q&A...)")
     train.add_argument("--method", choices=list(METHODS))

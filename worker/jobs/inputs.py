@@ -78,7 +78,7 @@ def plan_inputs(session, job, workdir: Path) -> JobInputs:
             "adapter" if kind == "adapter" else "merged model",
         )
         return everything
-    path = Path(raw) if Path(raw).is_absolute() else settings.data_dir / raw
+    path = settings.data_path(raw)
     try:
         if kind == "adapter":
             folder = unpack_adapter(path, Path(workdir) / "start_adapter")

@@ -151,6 +151,7 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               start_model=plan.start_model,
                               stream_base=settings.stream_base_model,
                               device=settings.device,
+                              processes=settings.train_processes,
                               scores_cache=settings.data_dir / "cache" / "before-scores")
         record = JobResults.from_pipeline(result)  # each part in its app.contract shape
     except Cancelled:
@@ -175,7 +176,8 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
             job.params = result["params"]
             job.scores, job.dataset = record.scores, record.dataset
             job.metrics, job.export_errors = record.metrics, record.export_errors
-            job.artifacts = result["artifacts"]
+            # Relative to the data folder: a joined machine mounts it elsewhere (README).
+            job.artifacts = {k: settings.stored_path(v) for k, v in result["artifacts"].items()}
             job.step = job.total_steps
             job.project.current_job_id = job.id  # a new version is the one in use
         _finish(session, job, *outcome)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from worker.errors import UserFacingError
+from worker.hardware import meminfo_bytes
 
 
 def configure_threads() -> int:
@@ -39,14 +40,7 @@ BUDGET_SHARE = 0.5
 def available_memory_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable from the kernel's `meminfo` (what can be used without swapping), else
     None (no /proc/meminfo: another OS)."""
-    try:
-        with open(meminfo) as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return meminfo_bytes("MemAvailable", meminfo)
 
 
 DEVICES = ("cpu", "cuda", "auto")

@@ -166,7 +166,7 @@ def _train(project_id: int, extra: dict, method: str = "lora") -> Job:
 
 
 def _adapter(job: Job) -> dict[str, torch.Tensor]:
-    with zipfile.ZipFile(job.artifacts["adapter"]) as zf:
+    with zipfile.ZipFile(settings.data_path(job.artifacts["adapter"])) as zf:
         name = next(n for n in zf.namelist() if n.endswith("adapter_model.safetensors"))
         return load_safetensors(io.BytesIO(zf.read(name)).getvalue())
 
@@ -207,7 +207,7 @@ def test_the_next_version_continues_the_current_one_on_new_and_replayed_document
 
 
 def _merged(job: Job) -> dict[str, torch.Tensor]:
-    with zipfile.ZipFile(job.artifacts["merged"]) as zf:
+    with zipfile.ZipFile(settings.data_path(job.artifacts["merged"])) as zf:
         name = next(n for n in zf.namelist() if n.endswith(".safetensors"))
         return load_safetensors(zf.read(name))
 
