@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: up test test-fast lint bench bench-hostile bench-chat bench-estimate clean-venv browser
+.PHONY: up test test-fast lint bench bench-hostile bench-chat bench-estimate bench-cluster clean-venv browser
 
 $(VENV)/.app-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,13 @@ bench-chat: $(VENV)/.test-installed
 # corpus most of them). BENCH_ARGS="--corpora fixture --methods lora" for one job (~15 min).
 bench-estimate: $(VENV)/.test-installed
 	$(PY) -m scripts.bench_estimate $(BENCH_ARGS)
+
+# One training job on one node and on two (network namespaces joined by a shaped veth, README
+# "Adding a machine"): tokens/s, scaling, bytes on the wire, compute against communication.
+# Needs root; ~15 min on 2 cores. BENCH_ARGS="--methods lora --steps 4" for a short run.
+bench-cluster: $(VENV)/.test-installed
+	@model="$$($(PY) -c 'from app.settings import settings; from worker.training.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
+	  && $(PY) -m scripts.bench_cluster --model-dir "$$model" $(BENCH_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

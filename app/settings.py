@@ -72,6 +72,12 @@ class Settings(BaseSettings):
     # per GPU, or a few on a many-core CPU; each holds the model and a share of the memory
     # budget. 1: the job trains in the worker's own process.
     train_processes: int = Field(default=1, ge=1, le=64)
+    # Machines a job trains on: this one and up to N-1 other machines' idle training workers
+    # (README "Adding a machine"), data parallel over the network. 1: this machine only.
+    train_nodes: int = Field(default=1, ge=1, le=16)
+    # The address the other machines reach this one at (a job's rendezvous, gloo); unset:
+    # the address this machine uses to reach Redis.
+    node_address: str | None = None
 
     # The reader box (worker/extract/sandbox.py): each document is read in a child process
     # that may use this much memory (address space, MB), CPU time and wall-clock time (s).

@@ -20,6 +20,9 @@ one rank must have none on all): an empty share is a row whose labels are all ig
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -39,7 +42,17 @@ def world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
+@dataclass
+class ReduceStats:
+    """What the reductions cost this rank: bytes handed to all_reduce, seconds waited in it
+    (the wire, and waiting for the slowest rank)."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+
+def sum_across_ranks(tensors: list[torch.Tensor], stats: ReduceStats | None = None) -> None:
     """Sum `tensors` in place over all ranks: one all_reduce per dtype and device (the
     tensors flattened into one buffer: fewer, larger messages; the same sums)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -47,7 +60,12 @@ def sum_across_ranks(tensors: list[torch.Tensor]) -> None:
         groups.setdefault((t.dtype, t.device), []).append(t)
     for same in groups.values():
         flat = _flatten_dense_tensors(same)
+        started = time.perf_counter()
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        if stats is not None:
+            stats.seconds += time.perf_counter() - started
+            stats.bytes += flat.numel() * flat.element_size()
+            stats.calls += 1
         for t, summed in zip(same, _unflatten_dense_tensors(flat, same)):
             t.copy_(summed)
 

@@ -27,6 +27,7 @@ from ._io import BufferPool, IOExecutor, IOStats, SwapStore
 from ._layout import BlockLayout
 from ._optim import Optimizers
 from ._pager import Key, Pager
+from ._parallel import ReduceStats
 from ._safetensors import SafetensorsSource
 
 
@@ -78,6 +79,7 @@ class EngineState:
     has_grad: dict[int, bool] = field(default_factory=dict)  # spilled gradient present
     total_norm: torch.Tensor | None = None  # clipping: this step's global norm
     last_grad_norm: float | None = None  # the last clipped step's
+    reduced: ReduceStats = field(default_factory=ReduceStats)  # data parallel's all_reduces
 
     def close(self, remove: bool) -> None:
         """Stop the I/O threads and the device copies, close the swap and model files."""

@@ -123,7 +123,7 @@ def block_grads_ready(st: EngineState, i: int, grads: list[torch.Tensor | None])
                 st.has_grad[id(p)] = True
         grads = _spilled(st, i, gp)
     if st.final and st.parallel:  # final here: the sum over every rank's share
-        sum_across_ranks([g for g in grads if g is not None])
+        sum_across_ranks([g for g in grads if g is not None], st.reduced)
     if st.final and not st.clip:
         step_block(st, i, grads)
         if gp is not None:
@@ -149,7 +149,8 @@ def block_grads_ready(st: EngineState, i: int, grads: list[torch.Tensor | None])
 def sum_resident_grads(st: EngineState) -> None:
     """Data parallel: the resident group's gradients, summed over the ranks, before any
     norm is taken (the blocks' were summed as each one finished)."""
-    sum_across_ranks([p.grad for _, p in st.resident_trainable if p.grad is not None])
+    sum_across_ranks([p.grad for _, p in st.resident_trainable if p.grad is not None],
+                     st.reduced)
 
 
 def clip_and_step_blocks(st: EngineState) -> None:

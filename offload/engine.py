@@ -445,6 +445,9 @@ class OffloadEngine:
             "blocks_read_from_weights_files": len(st.store.external),
             "step_s": self._step_time_s,
             "last_grad_norm": st.last_grad_norm,
+            "world_size": self.world_size,
+            "reduce_bytes": st.reduced.bytes,  # data parallel: handed to all_reduce
+            "reduce_s": st.reduced.seconds,  # and waited in it
         }
         d.update(st.stats.snapshot())
         d.update(st.pager.snapshot())

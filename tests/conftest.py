@@ -115,19 +115,25 @@ class WorkerProcess:
     """A real Celery worker process (ingest and train, or the queues given; one task at a
     time)."""
 
-    def __init__(self, name: str = "test", queues: str = "ingest,train"):
+    def __init__(self, name: str = "test", queues: str = "ingest,train", host: str = "localhost",
+                 env: dict[str, str] | None = None, prefix: list[str] | None = None):
+        """`host`: the machine part of its node name; `env`: settings of its own (another
+        broker, say); `prefix`: what runs it (e.g. `ip netns exec NS`: another "machine")."""
         self.name = name
         self.queues = queues
-        self.log = SESSION_DIR / f"worker-{name}.log"
+        self.node = f"{name}@{host}"
+        self.env = env or {}
+        self.prefix = prefix or []
+        self.log = SESSION_DIR / f"worker-{name}-{host}.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> WorkerProcess:
         logf = open(self.log, "ab")  # noqa: SIM115  (lives as long as the process)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-             "-Q", self.queues, "-c", "1", "-n", f"{self.name}@localhost",
+            [*self.prefix, sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
+             "-Q", self.queues, "-c", "1", "-n", self.node,
              "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
-            cwd=ROOT, env=_env(), stdout=logf, stderr=subprocess.STDOUT,
+            cwd=ROOT, env={**_env(), **self.env}, stdout=logf, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         wait_for(lambda: b"ready." in self.log.read_bytes(), 90, "celery worker ready", self.proc)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import logging
-import socket
 
 from celery.signals import celeryd_after_setup, worker_process_init, worker_ready, worker_shutdown
 
-from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE, node_queue
+from app.contract.tasks import INGEST_QUEUE, TRAIN_QUEUE, node_host, node_queue
 from app.db import get_engine
 from app.queue import make_celery
 from worker import registry
@@ -33,7 +32,7 @@ def _consume_node_queue(sender, instance, **_kwargs) -> None:
     way Celery's documentation adds a per-node queue), so every way of starting a train worker
     has it: `doctune up`, `doctune worker [--join]`, docker compose, celery by hand."""
     if TRAIN_QUEUE in _queues(instance.app):
-        instance.app.amqp.queues.select_add(node_queue(socket.gethostname()))
+        instance.app.amqp.queues.select_add(node_queue(node_host(sender)))
 
 
 @worker_ready.connect

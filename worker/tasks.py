@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from app.contract.tasks import CHAT_FORGET_TASK, CHAT_TASK, INGEST_TASK, PLAN_TASK, TRAIN_TASK
+from app.contract.tasks import (
+    CHAT_FORGET_TASK,
+    CHAT_TASK,
+    INGEST_TASK,
+    PLAN_TASK,
+    TRAIN_RANKS_TASK,
+    TRAIN_TASK,
+)
 from worker.celery_app import celery
 
 
@@ -19,6 +26,15 @@ def train_job(self, job_id: int) -> str | None:
     from worker.jobs.run import run_job
 
     return run_job(job_id, node=self.request.hostname)
+
+
+@celery.task(name=TRAIN_RANKS_TASK)
+def train_ranks(spec_path: str, endpoint: str, run_id: str, nnodes: int) -> int:
+    """This machine's ranks of a job that trains on several machines (sent to its node
+    queue by the job's machine); returns torchrun's exit code."""
+    from worker.distributed.launch import join_ranks
+
+    return join_ranks(spec_path, endpoint, run_id, nnodes)
 
 
 @celery.task(name=CHAT_TASK)

@@ -13,12 +13,21 @@ def node_queue(host: str) -> str:
     return f"node.{host}"
 
 
+def node_host(node: str) -> str:
+    """The machine part of a Celery node name ("train@box2" -> "box2"): what node_queue
+    takes (workers are started as `-n train@%h`, or with DOCTUNE_NODE_NAME in docker)."""
+    return node.split("@", 1)[-1]
+
+
 INGEST_TASK = "doctune.ingest_document"  # (document id)
 TRAIN_TASK = "doctune.train_job"  # (job id)
 CHAT_TASK = "doctune.chat_reply"  # (chat message id)
 CHAT_FORGET_TASK = "doctune.chat_forget"  # (job id or None, the conversation's token ids)
 # (project id, the settings the dataset is planned with): app.contract.dataset_plan
 PLAN_TASK = "doctune.plan_dataset"
+# (job id, rank spec path, rendezvous endpoint, run id, node count): this machine's training
+# ranks of a job that runs on several machines; sent to that machine's node_queue.
+TRAIN_RANKS_TASK = "doctune.train_ranks"
 
 ROUTES = {INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE},
           CHAT_TASK: {"queue": CHAT_QUEUE}, CHAT_FORGET_TASK: {"queue": CHAT_QUEUE},

@@ -5,27 +5,29 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from offload import batch_share
+from scripts.netns import LINKS, TwoNodes, usable
 from tests.offload import _dp_proc
 from tests.offload._factories import assert_same_weights, make_batch
+from worker.distributed.launch import torchrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:FutureWarning")
 
 
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
 def _torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={ranks}", "-m", "tests.offload._dp_proc", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
-                          check=False)
+    cmd = torchrun_command(args[0], ranks, module="tests.offload._dp_proc")
+    return subprocess.run([*cmd, *args[1:]], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=240, check=False)
 
 
 def _one_process(mode: str, tmp_path: Path, rows: int, micro: int) -> dict:
@@ -64,6 +66,40 @@ def test_three_ranks_match_one_process_up_to_reduction_order(tmp_path):
                 for k, w in one["weights"].items())
     print(f"3 ranks vs 1 process: largest tensor difference {worst:.2e} of its norm")
     assert worst < 1e-5
+
+
+@pytest.mark.skipif(usable() is not None, reason=str(usable()))
+def test_two_nodes_over_a_slow_link_are_bitwise_one_process(tmp_path):
+    """Two machines: this network namespace and another, joined by a veth shaped to
+    1 Gbit/s; a c10d rendezvous on node A's address, gloo pinned to each node's veth. The
+    gradients cross the link (its byte counters) and the result is one process's."""
+    args = ["full", str(tmp_path / "swap"), str(tmp_path / "out.pt"), str(STEPS), "4"]
+    with TwoNodes(LINKS[1]) as nodes:
+        endpoint = f"{nodes.addr_a}:{29400 + nodes.n}"
+
+        def node(addr: str) -> list[str]:
+            cmd = torchrun_command(args[0], 1, nnodes=2, endpoint=endpoint, run_id="two-nodes",
+                                   local_addr=addr, module="tests.offload._dp_proc")
+            return [*cmd, *args[1:]]
+
+        before = nodes.wire_bytes()
+        a = subprocess.Popen(node(nodes.addr_a), cwd=ROOT, text=True, stderr=subprocess.PIPE,
+                             env={**ENV, "GLOO_SOCKET_IFNAME": nodes.dev_a})
+        b = subprocess.Popen(nodes.on_b(node(nodes.addr_b)), cwd=ROOT, text=True,
+                             stderr=subprocess.PIPE, env={**ENV, "GLOO_SOCKET_IFNAME": nodes.dev_b})
+        try:
+            (_, err_a), (_, err_b) = a.communicate(timeout=240), b.communicate(timeout=240)
+        finally:
+            for p in (a, b):
+                p.kill()
+        crossed = nodes.wire_bytes() - before
+    assert a.returncode == 0 and b.returncode == 0, (err_a or "")[-2000:] + (err_b or "")[-2000:]
+    ranks = torch.load(tmp_path / "out.pt", weights_only=True)
+    one = _one_process("full", tmp_path, rows=4, micro=2)
+    assert ranks["losses"] == one["losses"]
+    assert_same_weights(one["weights"], ranks["weights"])
+    grads = sum(w.numel() * 4 for w in one["weights"].values())
+    assert crossed > STEPS * grads  # every step's gradients went over the link
 
 
 def test_ranks_with_different_weights_refuse_to_start(tmp_path):

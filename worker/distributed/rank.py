@@ -10,9 +10,10 @@ step, after the checkpoint."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def _hooks(spec: RankSpec, rank: int) -> Hooks:
 
 def _orphaned(spec: RankSpec) -> bool:
     """The job's process that started the ranks is gone."""
-    if spec.parent_pid is None:
+    if spec.parent_pid is None or spec.parent_host != socket.gethostname():
         return False
     try:
         os.kill(spec.parent_pid, 0)
@@ -101,5 +102,21 @@ def run(spec: RankSpec) -> None:
         dist.destroy_process_group()
 
 
+def main(argv: list[str] | None = None) -> None:
+    """The spec, with what a joining machine sets for itself (worker/distributed/launch.py's
+    join_ranks): its local swap folder, its threads and memory per rank."""
+    parser = argparse.ArgumentParser(prog="python -m worker.distributed.rank")
+    parser.add_argument("spec", type=Path)
+    parser.add_argument("--swap-root")
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--budget-bytes", type=int)
+    args = parser.parse_args(argv)
+    spec = RankSpec.read(args.spec)
+    spec.swap_root = args.swap_root or spec.swap_root
+    spec.threads = args.threads or spec.threads
+    spec.budget_bytes = args.budget_bytes or spec.budget_bytes
+    run(spec)
+
+
 if __name__ == "__main__":
-    run(RankSpec.read(Path(sys.argv[1])))
+    main()

@@ -27,8 +27,9 @@ class RankSpec:
     threads: int  # torch threads per rank
     start_adapter: str | None = None
     start_model: str | None = None
-    # The job's process: when it is gone (its worker was killed), rank 0 stops the ranks at
-    # the next step, after a checkpoint, instead of training on for nobody.
+    # The job's process: when it is gone (its worker was killed), rank 0 (on that machine)
+    # stops the ranks at the next step, after a checkpoint, instead of training on for nobody.
+    parent_host: str | None = None
     parent_pid: int | None = None
 
     @property

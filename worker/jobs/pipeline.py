@@ -105,6 +105,8 @@ def run_pipeline(
     device: str = "cpu",
     scores_cache: Path | None = None,
     processes: int = 1,
+    peers: Callable[[], list] | None = None,
+    run_id: str = "doctune",
 ) -> dict:
     """Fine-tune `base_model` on `docs` with `params`; returns params, dataset stats, scores
     before/after, artifact paths and metrics (also written to workdir/result.json).
@@ -132,8 +134,10 @@ def run_pipeline(
     retrain on the same documents (other epochs, learning rate, method) does not score the
     base model again (see _before_key for what they are filed under).
     `processes`: data-parallel training processes on this machine (worker/distributed/);
-    the result is the one process's (bitwise for 2, to float rounding for more). A base
-    model streamed from the disk trains in one.
+    the result is the one process's (bitwise for 2, to float rounding for more). `peers()`:
+    the other machines' free training workers to train with (worker.distributed.nodes),
+    asked when training starts and again after a lost machine; `run_id` names the run's
+    rendezvous. A base model streamed from the disk trains in one process, here.
     """
     hooks = hooks or Hooks()
     configure_threads()
@@ -155,14 +159,15 @@ def run_pipeline(
         before, previous = _score_base_model(base, tokenizer, split, job, workdir, hooks, score,
                                              scores_cache)
     recipe = _recipe(base, tokenizer, split, job, workdir, hooks)
-    on_ranks = processes > 1 and isinstance(base, InMemoryBaseModel)
+    on_ranks = isinstance(base, InMemoryBaseModel) and (
+        processes > 1 or (peers is not None and bool(peers())))
     if on_ranks:
         with phases("train"):
             if job.start_model is not None:  # the previous version, before the ranks train it
                 previous = _previous_scores(workdir, job.job_key, hooks,
                                             lambda: score(base.model))
-            train_on_ranks(base, recipe, processes, hooks, start_adapter=job.start_adapter,
-                           start_model=job.start_model)
+            train_on_ranks(base, recipe, processes, hooks, peers=peers, run_id=run_id,
+                           start_adapter=job.start_adapter, start_model=job.start_model)
     recipe.setup()
     if on_ranks and recipe.progress.step < recipe.total_steps:
         raise UserFacingError("The training processes finished, but their checkpoint could "

@@ -121,6 +121,16 @@ class _RowHooks:
         self._last_write = time.monotonic()
 
 
+def _peers(node: str):
+    """Which other machines train this job with this one (DOCTUNE_TRAIN_NODES > 1): a
+    function, asked when training starts and again after a lost machine."""
+    if settings.train_nodes <= 1:
+        return None
+    from worker.distributed.nodes import free_peers
+
+    return lambda: free_peers(settings.train_nodes - 1, node)
+
+
 def run_job(job_id: int, node: str | None = None) -> str | None:
     """Run job `job_id` to a final state; returns that state (None if not ours to run)."""
     node = node or socket.gethostname()
@@ -129,6 +139,7 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
     with session_scope() as session:
         job = session.get(Job, job_id)
         params = dict(job.params)
+        attempt = job.attempts  # names this run's rendezvous (a retried job gets another)
         # Incremental: new documents + a replay sample, from the previous version's adapter
         # (LoRA) or merged model (full fine-tuning).
         plan = plan_inputs(session, job, job_workdir(job_id))
@@ -152,6 +163,7 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               stream_base=settings.stream_base_model,
                               device=settings.device,
                               processes=settings.train_processes,
+                              peers=_peers(node), run_id=f"job{job_id}-{attempt}",
                               scores_cache=settings.data_dir / "cache" / "before-scores")
         record = JobResults.from_pipeline(result)  # each part in its app.contract shape
     except Cancelled:

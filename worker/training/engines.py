@@ -168,6 +168,7 @@ TELEMETRY_KEYS = (
     "peak_rss_bytes", "swap_bytes", "blocks_read_from_weights_files", "step_s",
     "bytes_read", "bytes_written", "read_gbps", "write_gbps", "stall_s",
     "prefetch_hits", "prefetch_misses", "prefetch_hit_rate",
+    "world_size", "reduce_bytes", "reduce_s",
 )  # fmt: skip
 
 

@@ -1,0 +1,174 @@
+"""`make bench-cluster`: one training job on one node and on two, over emulated links.
+
+Node A is this machine's network namespace, node B another namespace joined by a veth pair
+shaped like a link (scripts/netns.py: unlimited, 1 Gbit/s + 0.1 ms, 100 Mbit/s + 1 ms; the
+delay needs the kernel's netem, which not every kernel has: the table says what was applied).
+Each node runs one training rank with one CPU thread, started by torchrun (c10d rendezvous
+on node A, gloo pinned to the veth), through the job's own rank code
+(worker/distributed/rank.py: the offload engine in data-parallel mode). One node trains the
+same global batch alone. Both nodes share this machine's cores, so one thread per node.
+
+Per method (LoRA, full fine-tuning of SmolLM2-135M) and link: tokens/s with one node and with
+two, the scaling efficiency (two nodes' tokens/s over twice one node's), bytes on the wire per
+step (the veth's counters), and a step's compute against communication time (seconds waited
+in all_reduce, from the engine's telemetry). Steps after the first two are measured.
+Prints a table, then one JSON line (the last line). Needs root (network namespaces).
+
+    .venv/bin/python -m scripts.bench_cluster --model-dir PATH [--steps N] [--methods lora,full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from scripts.netns import LINKS, TwoNodes, usable
+from worker.distributed.launch import torchrun_command
+from worker.distributed.spec import RankSpec
+from worker.training.recipe import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ, ROWS = 128, 4  # a global batch of 4 rows of 128 tokens; two nodes take 2 rows each
+WARM = 2  # steps left out of the figures (allocations, first reads)
+TIMEOUT_S = 3600
+
+
+def _spec(model_dir: Path, method: str, steps: int, work: Path) -> RankSpec:
+    config = TrainConfig(method=method, epochs=1, max_steps=steps, batch_size=ROWS // 2,
+                         grad_accum=2, max_seq_len=SEQ, learning_rate=1e-4,
+                         checkpoint_every=10_000)
+    return RankSpec(model_dir=str(model_dir),
+                    weights_files=[str(f) for f in sorted(model_dir.glob("*.safetensors"))],
+                    device="cpu", config=config.to_dict(), pad_token_id=0, workdir=str(work),
+                    swap_root=str(work / "swap"), budget_bytes=6 << 30, threads=1)
+
+
+def _examples(n: int, vocab: int = 49152) -> list[dict]:
+    rng = random.Random(0)
+    rows = [[rng.randrange(vocab) for _ in range(SEQ)] for _ in range(n)]
+    return [{"input_ids": r, "labels": r} for r in rows]
+
+
+def _figures(spec: RankSpec, wire: int | None) -> dict:
+    lines = [json.loads(x) for x in spec.progress_path.read_text().splitlines()]
+    measured = lines[WARM:]
+    t_last, t_first = measured[-1]["telemetry"], lines[WARM - 1]["telemetry"]
+    n = len(measured)
+    step_s = (t_last["step_s"] - t_first["step_s"]) / n
+    reduce_s = ((t_last.get("reduce_s") or 0) - (t_first.get("reduce_s") or 0)) / n
+    return {
+        "tokens_per_s": round(ROWS * SEQ / step_s, 1),  # no padding: every row is SEQ tokens
+        "step_s": round(step_s, 3),
+        "comm_s": round(reduce_s, 3),
+        "compute_s": round(step_s - reduce_s, 3),
+        "reduce_mb_per_step": round(((t_last.get("reduce_bytes") or 0)
+                                     - (t_first.get("reduce_bytes") or 0)) / n / 1e6, 1),
+        "wire_mb_per_step": None if wire is None else round(wire / len(lines) / 1e6, 1),
+    }
+
+
+def _env(extra: dict) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+def one_node(spec: RankSpec, examples: list[dict]) -> dict:
+    path = spec.write(examples)
+    run = subprocess.run(torchrun_command(path, 1), cwd=ROOT, env=_env({}), text=True,
+                         timeout=TIMEOUT_S, capture_output=True, check=False)
+    if run.returncode:
+        raise SystemExit(f"one-node run failed:\n{run.stderr[-3000:]}")
+    return _figures(spec, None)
+
+
+def two_nodes(spec: RankSpec, examples: list[dict], nodes: TwoNodes, run_id: str) -> dict:
+    path = spec.write(examples)
+    endpoint = f"{nodes.addr_a}:{29400 + nodes.n}"
+
+    def cmd(addr: str) -> list[str]:
+        return torchrun_command(path, 1, nnodes=2, endpoint=endpoint, run_id=run_id,
+                                local_addr=addr)
+
+    before = nodes.wire_bytes()
+    a = subprocess.Popen(cmd(nodes.addr_a), cwd=ROOT, env=_env({"GLOO_SOCKET_IFNAME": nodes.dev_a}),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    b = subprocess.Popen(nodes.on_b(cmd(nodes.addr_b)), cwd=ROOT,
+                         env=_env({"GLOO_SOCKET_IFNAME": nodes.dev_b}),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err_a = a.communicate(timeout=TIMEOUT_S)
+        _, err_b = b.communicate(timeout=TIMEOUT_S)
+    finally:
+        for p in (a, b):
+            p.kill()
+    if a.returncode or b.returncode:
+        raise SystemExit(f"two-node run failed:\n{err_a[-3000:]}\n{err_b[-3000:]}")
+    return _figures(spec, nodes.wire_bytes() - before)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--methods", default="lora,full")
+    parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp one)")
+    args = parser.parse_args(argv)
+    why = usable()
+    if why:
+        print(f"bench-cluster needs two network namespaces: {why}", file=sys.stderr)
+        return 2
+    scratch = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=args.dir))
+    examples = _examples(ROWS * args.steps)
+    rows, out = [], {"cpu": platform.processor() or _cpu_name(), "cores": os.cpu_count(),
+                     "steps": args.steps, "warm_steps": WARM, "tokens_per_step": ROWS * SEQ}
+    try:
+        for method in args.methods.split(","):
+            single = one_node(_spec(args.model_dir, method, args.steps, scratch / f"{method}-1"),
+                              examples)
+            for i, link in enumerate(LINKS):
+                with TwoNodes(link) as nodes:
+                    work = scratch / f"{method}-2-{i}"
+                    two = two_nodes(_spec(args.model_dir, method, args.steps, work), examples,
+                                    nodes, run_id=f"bench-{method}-{i}")
+                    applied = dict(nodes.applied)
+                shutil.rmtree(work, ignore_errors=True)
+                rows.append({"method": method, "link": link.name, "applied": applied,
+                             "one_node": single, "two_nodes": two,
+                             "efficiency": round(two["tokens_per_s"]
+                                                 / (2 * single["tokens_per_s"]), 3)})
+                _print_row(rows[-1])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    out["training"] = rows
+    print(json.dumps(out))
+    return 0
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def _print_row(r: dict) -> None:
+    one, two = r["one_node"], r["two_nodes"]
+    applied = r["applied"]
+    shaped = ("as fast as the veth" if applied["rate_mbit"] is None else
+              f"{applied['rate_mbit']:g} Mbit/s" + (f" + {applied['delay_ms']} ms"
+                                                    if applied["delay_ms"] else " (no delay: no netem)"))
+    print(f"{r['method']:>5} | {r['link']:<18} | applied: {shaped:<28} | 1 node {one['tokens_per_s']:>7.1f} tok/s"
+          f" | 2 nodes {two['tokens_per_s']:>7.1f} tok/s | efficiency {r['efficiency']:.2f}"
+          f" | wire {two['wire_mb_per_step']:>7.1f} MB/step | step {two['step_s']:.2f} s ="
+          f" compute {two['compute_s']:.2f} + comm {two['comm_s']:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
