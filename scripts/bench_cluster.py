@@ -1,4 +1,5 @@
-"""`make bench-cluster`: one training job on one node and on two, over emulated links.
+"""`make bench-cluster`: one training job on one node and on two, over emulated links; and a
+model answering on one node, pipeline parallel (PP=2) and tensor parallel (TP=2).
 
 Node A is this machine's network namespace, node B another namespace joined by a veth pair
 shaped like a link (scripts/netns.py: unlimited, 1 Gbit/s + 0.1 ms, 100 Mbit/s + 1 ms; the
@@ -12,6 +13,14 @@ Per method (LoRA, full fine-tuning of SmolLM2-135M) and link: tokens/s with one 
 two, the scaling efficiency (two nodes' tokens/s over twice one node's), bytes on the wire per
 step (the veth's counters), and a step's compute against communication time (seconds waited
 in all_reduce, from the engine's telemetry). Steps after the first two are measured.
+
+Inference (scripts/cluster_infer.py, worker/distributed/inference.py): Llama-shaped models built
+from a config at two sizes (SmolLM2-135M's 9 query heads do not split in two), greedy
+decoding of 8 tokens after 16-token prompts at batches 1 to 16: output tokens/s after the
+first token, time to the first token, PP's bubble (the first stage's share of time spent
+waiting), and the batch from which PP outruns TP, per link. All three must give the same
+tokens (the table says).
+
 Prints a table, then one JSON line (the last line). Needs root (network namespaces).
 
     .venv/bin/python -m scripts.bench_cluster --model-dir PATH [--steps N] [--methods lora,full]
@@ -88,13 +97,15 @@ def one_node(spec: RankSpec, examples: list[dict]) -> dict:
     return _figures(spec, None)
 
 
-def two_nodes(spec: RankSpec, examples: list[dict], nodes: TwoNodes, run_id: str) -> dict:
-    path = spec.write(examples)
+def _on_two_nodes(nodes: TwoNodes, run_id: str, first: str, module: str,
+                  extra: list[str] | None = None) -> int:
+    """One rank on each node (torchrun, c10d on node A, gloo on the veth); bytes that
+    crossed the link."""
     endpoint = f"{nodes.addr_a}:{29400 + nodes.n}"
 
     def cmd(addr: str) -> list[str]:
-        return torchrun_command(path, 1, nnodes=2, endpoint=endpoint, run_id=run_id,
-                                local_addr=addr)
+        return torchrun_command(first, 1, nnodes=2, endpoint=endpoint, run_id=run_id,
+                                local_addr=addr, module=module, extra=extra)
 
     before = nodes.wire_bytes()
     a = subprocess.Popen(cmd(nodes.addr_a), cwd=ROOT, env=_env({"GLOO_SOCKET_IFNAME": nodes.dev_a}),
@@ -110,7 +121,82 @@ def two_nodes(spec: RankSpec, examples: list[dict], nodes: TwoNodes, run_id: str
             p.kill()
     if a.returncode or b.returncode:
         raise SystemExit(f"two-node run failed:\n{err_a[-3000:]}\n{err_b[-3000:]}")
-    return _figures(spec, nodes.wire_bytes() - before)
+    return nodes.wire_bytes() - before
+
+
+def two_nodes(spec: RankSpec, examples: list[dict], nodes: TwoNodes, run_id: str) -> dict:
+    path = spec.write(examples)
+    crossed = _on_two_nodes(nodes, run_id, str(path), "worker.distributed.rank")
+    return _figures(spec, crossed)
+
+
+def _infer_args(size: str, batches: str, out: Path) -> list[str]:
+    return ["--size", size, "--batches", batches, "--out", str(out)]
+
+
+def infer_one_node(size: str, batches: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "scripts.cluster_infer", "--mode", "single",
+           *_infer_args(size, batches, out)]
+    run = subprocess.run(cmd, cwd=ROOT, env=_env({}), capture_output=True, text=True,
+                         timeout=TIMEOUT_S, check=False)
+    if run.returncode:
+        raise SystemExit(f"one-node inference failed:\n{run.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def infer_two_nodes(mode: str, size: str, batches: str, nodes: TwoNodes, out: Path) -> dict:
+    crossed = _on_two_nodes(nodes, f"infer-{mode}-{size}", "--mode", "scripts.cluster_infer",
+                            [mode, *_infer_args(size, batches, out)])
+    return json.loads(out.read_text()) | {"wire_bytes": crossed}
+
+
+def inference(sizes: list[str], batches: str, scratch: Path) -> list[dict]:
+    """For each model size and link: 1 node, PP=2 and TP=2 at each batch; the batch from
+    which PP outruns TP."""
+    rows = []
+    for size in sizes:
+        single = infer_one_node(size, batches, scratch / f"single-{size}.json")
+        for link in LINKS:
+            with TwoNodes(link) as nodes:
+                pp = infer_two_nodes("pp", size, batches, nodes, scratch / f"pp-{size}.json")
+                tp = infer_two_nodes("tp", size, batches, nodes, scratch / f"tp-{size}.json")
+                applied = dict(nodes.applied)
+            same = all(a["tokens"] == b["tokens"] == c["tokens"]
+                       for a, b, c in zip(single["rows"], pp["rows"], tp["rows"]))
+            per_batch = [{"batch": s["batch"],
+                          "one_node": {"tokens_per_s": s["tokens_per_s"], "ttft_s": s["ttft_s"]},
+                          "pp": {"tokens_per_s": p["tokens_per_s"], "ttft_s": p["ttft_s"],
+                                 "bubble": p["bubble"]},
+                          "tp": {"tokens_per_s": t["tokens_per_s"], "ttft_s": t["ttft_s"]}}
+                         for s, p, t in zip(single["rows"], pp["rows"], tp["rows"])]
+            ahead = [r["pp"]["tokens_per_s"] > r["tp"]["tokens_per_s"] for r in per_batch]
+            rows.append({"size": size, "params": single["params"], "link": link.name,
+                         "applied": applied, "same_tokens": same, "batches": per_batch,
+                         "ahead": ["PP" if a else "TP" for a in ahead],
+                         "pp_ahead_from_batch": _from(per_batch, ahead, True),
+                         "tp_ahead_from_batch": _from(per_batch, ahead, False)})
+            _print_infer(rows[-1])
+    return rows
+
+
+def _from(per_batch: list[dict], ahead: list[bool], pp: bool) -> int | None:
+    """The smallest batch from which one of them (PP: `pp`) stays ahead at every larger one."""
+    first = None
+    for r, a in zip(reversed(per_batch), reversed(ahead)):
+        if a != pp:
+            break
+        first = r["batch"]
+    return first
+
+
+def _print_infer(r: dict) -> None:
+    print(f"{r['size']} ({r['params'] / 1e6:.0f}M) | {r['link']} | same tokens: {r['same_tokens']}"
+          f" | ahead by batch: {' '.join(r['ahead'])}", flush=True)
+    for b in r["batches"]:
+        one, pp, tp = b["one_node"], b["pp"], b["tp"]
+        print(f"   batch {b['batch']:>2}: tok/s 1 node {one['tokens_per_s']:>7.1f}  PP {pp['tokens_per_s']:>7.1f}"
+              f"  TP {tp['tokens_per_s']:>7.1f} | TTFT s {one['ttft_s']:.3f} / {pp['ttft_s']:.3f} /"
+              f" {tp['ttft_s']:.3f} | PP bubble {pp['bubble']:.2f}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--methods", default="lora,full")
     parser.add_argument("--dir", type=Path, default=None, help="scratch folder (default: a temp one)")
+    parser.add_argument("--inference-sizes", default="small,large",
+                        help="model sizes for PP against TP ('' to skip)")
+    parser.add_argument("--batches", default="1,2,4,8,16")
     args = parser.parse_args(argv)
     why = usable()
     if why:
@@ -129,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, out = [], {"cpu": platform.processor() or _cpu_name(), "cores": os.cpu_count(),
                      "steps": args.steps, "warm_steps": WARM, "tokens_per_step": ROWS * SEQ}
     try:
-        for method in args.methods.split(","):
+        for method in filter(None, args.methods.split(",")):
             single = one_node(_spec(args.model_dir, method, args.steps, scratch / f"{method}-1"),
                               examples)
             for i, link in enumerate(LINKS):
@@ -147,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out["training"] = rows
+    scratch = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=args.dir))
+    try:
+        out["inference"] = inference(list(filter(None, args.inference_sizes.split(","))),
+                                     args.batches, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(out))
     return 0
 

@@ -66,9 +66,16 @@ def test_cancel_stops_the_processes_and_a_rerun_finishes_the_same(tiny_dir, tmp_
 
 
 def _ranks_alive() -> list[psutil.Process]:
-    me = psutil.Process()
-    return [p for p in me.children(recursive=True)
-            if "worker.distributed.rank" in " ".join(p.cmdline())]
+    """This test process's live rank processes (other tests may leave zombies behind)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "worker.distributed.rank" in " ".join(
+                    p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # gone, or a zombie, meanwhile
+            pass
+    return found
 
 
 class KillRank(Recorder):
