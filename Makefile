@@ -68,8 +68,9 @@ bench-estimate: $(VENV)/.test-installed
 	$(PY) -m scripts.bench_estimate $(BENCH_ARGS)
 
 # One training job on one node and on two (network namespaces joined by a shaped veth, README
-# "Adding a machine"): tokens/s, scaling, bytes on the wire, compute against communication.
-# Needs root; ~15 min on 2 cores. BENCH_ARGS="--methods lora --steps 4" for a short run.
+# "Adding a machine"): tokens/s, scaling, bytes on the wire, compute against communication;
+# then answering on 1 node, PP=2 and TP=2. Needs root; ~20 min on 2 cores.
+# BENCH_ARGS="--methods lora --steps 4 --inference-sizes small" for a short run.
 bench-cluster: $(VENV)/.test-installed
 	@model="$$($(PY) -c 'from app.settings import settings; from worker.training.base_model import ensure_embedded_model; print(ensure_embedded_model(settings.models_dir))')" \
 	  && $(PY) -m scripts.bench_cluster --model-dir "$$model" $(BENCH_ARGS)
