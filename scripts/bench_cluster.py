@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import subprocess
@@ -42,6 +41,7 @@ from pathlib import Path
 from scripts.netns import LINKS, TwoNodes, usable
 from worker.distributed.launch import torchrun_command
 from worker.distributed.spec import RankSpec
+from worker.hardware import cpu_model
 from worker.training.recipe import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,27 +101,16 @@ def _on_two_nodes(nodes: TwoNodes, run_id: str, first: str, module: str,
                   extra: list[str] | None = None) -> int:
     """One rank on each node (torchrun, c10d on node A, gloo on the veth); bytes that
     crossed the link."""
-    endpoint = f"{nodes.addr_a}:{29400 + nodes.n}"
+    endpoint = nodes.rendezvous
 
     def cmd(addr: str) -> list[str]:
         return torchrun_command(first, 1, nnodes=2, endpoint=endpoint, run_id=run_id,
                                 local_addr=addr, module=module, extra=extra)
 
-    before = nodes.wire_bytes()
-    a = subprocess.Popen(cmd(nodes.addr_a), cwd=ROOT, env=_env({"GLOO_SOCKET_IFNAME": nodes.dev_a}),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    b = subprocess.Popen(nodes.on_b(cmd(nodes.addr_b)), cwd=ROOT,
-                         env=_env({"GLOO_SOCKET_IFNAME": nodes.dev_b}),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _, err_a = a.communicate(timeout=TIMEOUT_S)
-        _, err_b = b.communicate(timeout=TIMEOUT_S)
-    finally:
-        for p in (a, b):
-            p.kill()
-    if a.returncode or b.returncode:
-        raise SystemExit(f"two-node run failed:\n{err_a[-3000:]}\n{err_b[-3000:]}")
-    return nodes.wire_bytes() - before
+    codes, errors, crossed = nodes.run_on_both(cmd, _env({}), ROOT, TIMEOUT_S)
+    if any(codes):
+        raise SystemExit("two-node run failed:\n" + "\n".join(errors))
+    return crossed
 
 
 def two_nodes(spec: RankSpec, examples: list[dict], nodes: TwoNodes, run_id: str) -> dict:
@@ -215,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     scratch = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=args.dir))
     examples = _examples(ROWS * args.steps)
-    rows, out = [], {"cpu": platform.processor() or _cpu_name(), "cores": os.cpu_count(),
+    rows, out = [], {"cpu": cpu_model(), "cores": os.cpu_count(),
                      "steps": args.steps, "warm_steps": WARM, "tokens_per_step": ROWS * SEQ}
     try:
         for method in filter(None, args.methods.split(",")):
@@ -244,13 +233,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(out))
     return 0
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def _print_row(r: dict) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -71,6 +72,11 @@ class TwoNodes:
     def addr_b(self) -> str:
         return f"10.77.{self.n}.2"
 
+    @property
+    def rendezvous(self) -> str:
+        """host:port for a c10d rendezvous hosted on node A."""
+        return f"{self.addr_a}:{29400 + self.n}"
+
     def __enter__(self) -> Self:
         self._teardown()  # what a killed run left behind
         _run("ip", "netns", "add", self.ns)
@@ -120,6 +126,24 @@ class TwoNodes:
                 applied = {"rate_mbit": link.rate_mbit, "delay_ms": None}
         self.applied = applied
         return applied
+
+    def run_on_both(self, command: Callable[[str], list[str]], env: dict[str, str],
+                    cwd: Path, timeout_s: float) -> tuple[list[int], list[str], int]:
+        """`command(address)` on node A and inside node B at once (each with GLOO_SOCKET_IFNAME
+        pinned to its veth), both waited for: (exit codes, stderr tails, bytes that crossed
+        the link). Both are killed if either outlives `timeout_s`."""
+        before = self.wire_bytes()
+        procs = [subprocess.Popen(prefix + command(addr), cwd=cwd, text=True,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  env={**env, "GLOO_SOCKET_IFNAME": dev})
+                 for prefix, addr, dev in (([], self.addr_a, self.dev_a),
+                                           (self.on_b([]), self.addr_b, self.dev_b))]
+        try:
+            errors = [p.communicate(timeout=timeout_s)[1][-3000:] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        return [p.returncode for p in procs], errors, self.wire_bytes() - before
 
     def wire_bytes(self) -> int:
         """Bytes that went over the link (both directions), counted at node A's end."""

@@ -75,25 +75,14 @@ def test_two_nodes_over_a_slow_link_are_bitwise_one_process(tmp_path):
     gradients cross the link (its byte counters) and the result is one process's."""
     args = ["full", str(tmp_path / "swap"), str(tmp_path / "out.pt"), str(STEPS), "4"]
     with TwoNodes(LINKS[1]) as nodes:
-        endpoint = f"{nodes.addr_a}:{29400 + nodes.n}"
-
         def node(addr: str) -> list[str]:
-            cmd = torchrun_command(args[0], 1, nnodes=2, endpoint=endpoint, run_id="two-nodes",
-                                   local_addr=addr, module="tests.offload._dp_proc")
+            cmd = torchrun_command(args[0], 1, nnodes=2, endpoint=nodes.rendezvous,
+                                   run_id="two-nodes", local_addr=addr,
+                                   module="tests.offload._dp_proc")
             return [*cmd, *args[1:]]
 
-        before = nodes.wire_bytes()
-        a = subprocess.Popen(node(nodes.addr_a), cwd=ROOT, text=True, stderr=subprocess.PIPE,
-                             env={**ENV, "GLOO_SOCKET_IFNAME": nodes.dev_a})
-        b = subprocess.Popen(nodes.on_b(node(nodes.addr_b)), cwd=ROOT, text=True,
-                             stderr=subprocess.PIPE, env={**ENV, "GLOO_SOCKET_IFNAME": nodes.dev_b})
-        try:
-            (_, err_a), (_, err_b) = a.communicate(timeout=240), b.communicate(timeout=240)
-        finally:
-            for p in (a, b):
-                p.kill()
-        crossed = nodes.wire_bytes() - before
-    assert a.returncode == 0 and b.returncode == 0, (err_a or "")[-2000:] + (err_b or "")[-2000:]
+        codes, errors, crossed = nodes.run_on_both(node, ENV, ROOT, 240)
+    assert codes == [0, 0], "\n".join(errors)
     ranks = torch.load(tmp_path / "out.pt", weights_only=True)
     one = _one_process("full", tmp_path, rows=4, micro=2)
     assert ranks["losses"] == one["losses"]

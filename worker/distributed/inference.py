@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -99,7 +99,6 @@ class StageClock:
     compute_s: float = 0.0
     wait_s: float = 0.0
     sent_bytes: int = 0
-    marks: list = field(default_factory=list)
 
     @property
     def bubble(self) -> float:

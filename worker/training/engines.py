@@ -252,11 +252,11 @@ class OffloadTrainEngine:
         (offload.batch_share), in grad_accum / world_size micro-batches; the loss is still
         divided by the whole batch's token count, so the summed gradients are one
         process's."""
-        from offload import batch_share
-
         denom = max(1, int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()))
         micro_batches = self.grad_accum
         if self.world_size > 1:
+            from offload import batch_share
+
             batch = batch_share(batch, self.rank, self.world_size, IGNORE_INDEX)
             micro_batches = max(1, self.grad_accum // self.world_size)
         self.engine.set_lr(self.learning_rate)
