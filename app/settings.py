@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     # per GPU, or a few on a many-core CPU; each holds the model and a share of the memory
     # budget. 1: the job trains in the worker's own process.
     train_processes: int = Field(default=1, ge=1, le=64)
+    # How a job on several processes or machines shares the work: "data" (every rank holds
+    # the model and trains a share of each batch), "pipeline" (every rank holds a range of
+    # the blocks; the micro-batches pass from rank to rank), "auto": pipeline when the
+    # model's training state does not fit one rank's memory budget, data otherwise.
+    train_parallel: Literal["auto", "data", "pipeline"] = "auto"
     # Machines a job trains on: this one and up to N-1 other machines' idle training workers
     # (README "Adding a machine"), data parallel over the network. 1: this machine only.
     train_nodes: int = Field(default=1, ge=1, le=16)

@@ -22,6 +22,7 @@ from ._io import (
 from ._memory import OffloadBudgetError
 from ._parallel import DataParallelError, batch_share
 from ._partition import find_blocks, is_unloaded, release_parameters
+from ._pipeline import PipelineError
 from ._plan import Plan, activation_bytes, plan
 from .engine import OffloadEngine
 from .kvcache import KVStore
@@ -36,6 +37,7 @@ __all__ = [
     "OffloadEngine",
     "OffloadError",
     "OffloadIOError",
+    "PipelineError",
     "Plan",
     "activation_bytes",
     "batch_share",

@@ -51,6 +51,9 @@ class OffloadConfig:
         over torch.distributed's default process group (initialized by the caller, e.g.
         under torchrun) before clipping and AdamW; see _parallel.py. Every rank passes its
         own swap_dir.
+    pipeline_parallel: this rank is one stage of a pipeline over the default process
+        group: the model it is given holds the stage's blocks, and a schedule drives the
+        step's forward and backward passes (OffloadEngine.step_pipelined, _pipeline.py).
     """
 
     budget_bytes: int
@@ -66,8 +69,11 @@ class OffloadConfig:
     device: str | None = None
     host_budget_bytes: int | None = None
     data_parallel: bool = False
+    pipeline_parallel: bool = False
 
     def __post_init__(self):
+        if self.data_parallel and self.pipeline_parallel:
+            raise ValueError("data_parallel and pipeline_parallel do not combine (yet)")
         if self.budget_bytes <= 0:
             raise ValueError("budget_bytes must be positive")
         if self.host_budget_bytes is not None and self.host_budget_bytes <= 0:

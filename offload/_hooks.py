@@ -35,6 +35,7 @@ import torch
 
 from ._device import rng_state
 from ._io import OffloadError
+from ._pipeline import begin_backward, begin_forward
 from ._schedule import forward_enter, forward_exit, page_refs
 from ._state import EngineState
 from ._step import backward_block
@@ -67,6 +68,8 @@ class StreamedBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.st.pipelined and ctx.index == len(ctx.st.layouts) - 1:
+            begin_backward(ctx.st)
         need_x = ctx.needs_input_grad[6]
         if ctx.graph is not None:
             graph, ctx.graph = ctx.graph, None
@@ -101,6 +104,8 @@ def patch_block(st: EngineState, index: int, block: torch.nn.Module) -> None:
                 kwargs["use_cache"] = False
             for v in list(rest) + list(kwargs.values()):
                 _refuse_grad_inputs(v)
+            if st.pipelined and index == 0:
+                begin_forward(st)
             return StreamedBlock.apply(st, index, original, rest, kwargs, st.anchor, hidden)
         forward_enter(st, index)
         try:

@@ -52,16 +52,18 @@ class ReduceStats:
     calls: int = 0
 
 
-def sum_across_ranks(tensors: list[torch.Tensor], stats: ReduceStats | None = None) -> None:
-    """Sum `tensors` in place over all ranks: one all_reduce per dtype and device (the
-    tensors flattened into one buffer: fewer, larger messages; the same sums)."""
+def sum_across_ranks(tensors: list[torch.Tensor], stats: ReduceStats | None = None,
+                     group=None) -> None:
+    """Sum `tensors` in place over all ranks (of `group`, default all): one all_reduce per
+    dtype and device (the tensors flattened into one buffer: fewer, larger messages; the
+    same sums)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     for same in groups.values():
         flat = _flatten_dense_tensors(same)
         started = time.perf_counter()
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if stats is not None:
             stats.seconds += time.perf_counter() - started
             stats.bytes += flat.numel() * flat.element_size()

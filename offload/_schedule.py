@@ -21,15 +21,19 @@ from ._state import EngineState
 _PAGE_REF = object()  # marks a saved tensor kept as a place in a weight page (page_refs)
 
 
-def start_schedule(st: EngineState, training: bool) -> None:
+def start_schedule(st: EngineState, training: bool, forward: bool = True,
+                   backward: bool = True) -> None:
     """Every region this pass will pin, in order ((key, read) pairs; read False: a
-    page the engine fills itself). Prefetch walks ahead of the demands along it."""
+    page the engine fills itself). Prefetch walks ahead of the demands along it.
+
+    A pipeline stage (_pipeline.py) runs every micro-batch's forward before the first
+    backward: its passes are scheduled apart (`forward` or `backward` alone)."""
     st.pager.cancel_prefetches()
     if st.dev is not None:
         settle_device(st)
     n = len(st.layouts)
-    sched: list[tuple[Key, bool]] = [((i, WEIGHT), True) for i in range(n)]
-    if training:
+    sched: list[tuple[Key, bool]] = [((i, WEIGHT), True) for i in range(n)] if forward else []
+    if training and backward:
         final, acc = st.final, st.micro > 0
         for i in reversed(range(n)):
             sched.append(((i, WEIGHT), True))

@@ -81,6 +81,15 @@ class EngineState:
     last_grad_norm: float | None = None  # the last clipped step's
     reduced: ReduceStats = field(default_factory=ReduceStats)  # data parallel's all_reduces
 
+    # -- pipeline parallel (_pipeline.py) ----------------------------------------------------
+    pipelined: bool = False  # inside OffloadEngine.step_pipelined
+    pipe_micros: int = 1  # micro-batches in the step
+    pipe_forwards: int = 0  # forwards begun this step
+    pipe_backwards: int = 0  # backwards begun this step
+    tied: list[torch.nn.Parameter] = field(default_factory=list)  # held by another stage too
+    tied_group: Any = None  # the process group of the stages holding them
+    uncounted: set[int] = field(default_factory=set)  # ids left out of this stage's norm
+
     def close(self, remove: bool) -> None:
         """Stop the I/O threads and the device copies, close the swap and model files."""
         self.io.close()

@@ -14,6 +14,7 @@ from ._device import replay_rng
 from ._layout import EXP_AVG, EXP_AVG_SQ, GRAD, WEIGHT
 from ._optim import tensor_norms, total_norm
 from ._parallel import sum_across_ranks
+from ._pipeline import gather_norms
 from ._schedule import bind_host, bind_on_device, discard, grads_to_host, load_to_device, pin
 from ._schedule import release as release_page
 from ._state import EngineState
@@ -159,7 +160,10 @@ def clip_and_step_blocks(st: EngineState) -> None:
     res = [(p, p.grad) for _, p in st.resident_trainable if p.grad is not None]
     for (p, _), n in zip(res, tensor_norms([g for _, g in res], st.optim.foreach)):
         st.norms[id(p)] = n
-    norms = [st.norms[id(p)] for p in st.norm_order if id(p) in st.norms]
+    norms = [st.norms[id(p)] for p in st.norm_order
+             if id(p) in st.norms and id(p) not in st.uncounted]
+    if st.pipelined:  # the whole model's norm: every stage's, in stage order
+        norms = gather_norms(norms, st.reduced)
     st.total_norm = total_norm(norms)
     st.last_grad_norm = float(st.total_norm)
     max_norm = float(st.optim.max_grad_norm)

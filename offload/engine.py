@@ -28,6 +28,9 @@ One step (see _hooks.py for the per-block mechanics, _step.py for the steps):
   data parallel  (OffloadConfig.data_parallel) each rank runs its share of the batch;
             a block's gradients are summed over the ranks once final, the resident
             group's after the backward, before any norm or step (_parallel.py).
+  pipeline  (OffloadConfig.pipeline_parallel) the model is one stage's blocks; a
+            schedule runs every micro-batch's forward, then their backwards, and the
+            norm is the whole model's (step_pipelined, _pipeline.py).
 
 Memory: the budget covers the pool of page buffers (allocated once), the resident group
 with its gradients and Adam state, one block's gradients, AdamW's scratch tensors and
@@ -79,6 +82,7 @@ from ._partition import (
     partition,
     unmeta_blocks,
 )
+from ._pipeline import PipelineError, sum_tied
 from ._safetensors import SafetensorsSource, map_to_files
 from ._schedule import abandon_pass, settle_device, start_schedule, stop_schedule
 from ._state import EngineState
@@ -134,6 +138,8 @@ class OffloadEngine:
         if self.config.data_parallel:
             self.rank, self.world_size = world()
             check_same_model(named)
+        elif self.config.pipeline_parallel:  # rank: this stage's place in the pipeline
+            self.rank, self.world_size = world()
         else:
             self.rank, self.world_size = 0, 1
         self.device = resolve_device(self.config.device, outside_blocks(named, blocks))
@@ -310,11 +316,8 @@ class OffloadEngine:
             self._check_activations(int(m["input_ids"].shape[0]), int(m["input_ids"].shape[-1]))
             for m in micros
         ]
-        t0 = time.perf_counter()
         total = 0.0
-        st.in_step = True
-        st.keep_graphs = self.kept_graphs = all(keep)
-        try:
+        with self._optimizer_step(keep_graphs=all(keep)):
             for j, micro in enumerate(micros):
                 st.micro, st.final = j, j == len(micros) - 1
                 start_schedule(st, training=True)
@@ -328,20 +331,69 @@ class OffloadEngine:
             if st.parallel:
                 sum_resident_grads(st)
                 total = sum_loss(total)
-            if st.clip:
-                clip_and_step_blocks(st)
-            step_resident(st)
+            self._clip_and_step(st)
+        return total
+
+    def step_pipelined(self, run: Callable[[], Any], micro_batches: int, rows: int,
+                       seq: int) -> Any:
+        """One optimizer step of a pipeline stage (OffloadConfig.pipeline_parallel):
+        `run()` drives the step's passes through this stage's model (a pipeline schedule's
+        step: `micro_batches` forwards of `rows` x `seq` tokens each, then their backwards
+        in the same order); then the gradients tied with another stage are summed, clipped
+        by the whole model's norm, and AdamW steps. Returns what `run()` returns."""
+        self._check_usable()
+        if not self.config.pipeline_parallel:
+            raise OffloadError("step_pipelined needs OffloadConfig(pipeline_parallel=True)")
+        st = self._state
+        self._check_activations(rows * micro_batches, seq, training=False)
+        st.pipe_micros, st.pipe_forwards, st.pipe_backwards = micro_batches, 0, 0
+        # Every micro-batch's forward comes before the first backward: no graphs kept.
+        with self._optimizer_step(keep_graphs=False, pipelined=True):
+            result = run()
+            if st.pipe_backwards != micro_batches:
+                raise PipelineError(f"the schedule ran {st.pipe_backwards} backward passes "
+                                    f"through this stage, not {micro_batches}")
+            sum_tied(st)
+            self._clip_and_step(st)
+        return result
+
+    @contextlib.contextmanager
+    def _optimizer_step(self, keep_graphs: bool, pipelined: bool = False):
+        """The frame of one optimizer step: the state says a step is on; a failure part-way
+        leaves the engine failed (only a checkpoint is good then); the step is counted and
+        timed once it is through."""
+        st = self._state
+        t0 = time.perf_counter()
+        st.in_step, st.pipelined = True, pipelined
+        st.keep_graphs = self.kept_graphs = keep_graphs
+        try:
+            yield
         except BaseException as exc:
             self._fail(exc)
             raise
         finally:
-            st.in_step = False
-            st.keep_graphs = False
+            st.in_step = st.pipelined = st.keep_graphs = False
             st.has_grad.clear()
             st.norms.clear()
         st.step_count += 1
         self._step_time_s += time.perf_counter() - t0
-        return total
+
+    @staticmethod
+    def _clip_and_step(st: EngineState) -> None:
+        """After the backward: blocks clipped by the global norm and stepped (when clipping;
+        otherwise they were stepped in the backward), then the resident group."""
+        if st.clip:
+            clip_and_step_blocks(st)
+        step_resident(st)
+
+    def tie_across_stages(self, params: Sequence[torch.nn.Parameter], group: Any,
+                          counted: bool) -> None:
+        """`params` are also held by another stage of the pipeline (tied embeddings): their
+        gradients are summed over `group` (the stages holding them) before the norm, which
+        counts them on one stage only (`counted`)."""
+        st = self._state
+        st.tied, st.tied_group = list(params), group
+        st.uncounted = set() if counted else {id(p) for p in params}
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None = None) -> float:
@@ -448,6 +500,7 @@ class OffloadEngine:
             "world_size": self.world_size,
             "reduce_bytes": st.reduced.bytes,  # data parallel: handed to all_reduce
             "reduce_s": st.reduced.seconds,  # and waited in it
+            "pipeline_parallel": self.config.pipeline_parallel,
         }
         d.update(st.stats.snapshot())
         d.update(st.pager.snapshot())

@@ -1,4 +1,4 @@
-"""Both sides of a data-parallel run. The job's side (`train_on_ranks`, `run_ranks`): start
+"""Both sides of a run on several processes or machines (data parallel or a pipeline). The job's side (`train_on_ranks`, `run_ranks`): start
 this machine's ranks with torchrun and ask the free training workers of other machines to
 start theirs (TRAIN_RANKS_TASK on their node queue: `join_ranks`), pass rank 0's progress on,
 ask the ranks to stop when the job is cancelled, and when a rank or a machine is lost, say so
@@ -158,17 +158,29 @@ def run_ranks(spec: RankSpec, examples: list[dict], nproc: int, hooks: Hooks,
     until the recipe's last step (its checkpoint holds the result). A lost rank or machine
     ends that run: the job says so and starts again from the last checkpoint with the
     machines free then, RELAUNCHES times at most. Raises Cancelled when the job is cancelled
-    (the ranks stop after a checkpoint), UserFacingError when the ranks keep failing."""
+    (the ranks stop after a checkpoint), UserFacingError when the ranks keep failing.
+
+    A pipeline keeps its number of stages (its checkpoint has one part per stage): when
+    fewer machines are free after a loss, this machine runs the missing stages."""
     spec_path = spec.write(examples)
-    last = None
+    last, stages = None, None
     for attempt in range(RELAUNCHES + 1):
         found = peers() if peers is not None else []
+        here = nproc
+        if spec.parallel == "pipeline":
+            spec.node_ranks = spec.node_ranks or nproc
+            if stages is None:
+                stages = nproc + spec.node_ranks * len(found)
+            found = found[: max(0, (stages - 1) // spec.node_ranks)]
+            here = stages - spec.node_ranks * len(found)
+            spec_path = spec.write(examples)
         if attempt:
             hooks.on_phase("running", f"{_lost(last)}: continuing from the last checkpoint "
                            + (f"on {1 + len(found)} machines" if found else "on this machine"))
         else:
-            hooks.on_phase("running", _training_on(nproc, 1 + len(found)))
-        proc = _launch(spec, spec_path, nproc, found, f"{run_id}-{attempt}")
+            hooks.on_phase("running", _training_on(here, 1 + len(found), spec.parallel,
+                                                   stages))
+        proc = _launch(spec, spec_path, here, found, f"{run_id}-{attempt}")
         last, cancelled = _watch(spec, proc, hooks, last)
         if proc.returncode == 0:
             if cancelled:
@@ -184,12 +196,15 @@ def run_ranks(spec: RankSpec, examples: list[dict], nproc: int, hooks: Hooks,
     )
 
 
-def _training_on(nproc: int, machines: int) -> str:
+def _training_on(nproc: int, machines: int, parallel: str = "data",
+                 stages: int | None = None) -> str:
     if machines == 1:
-        return f"Training on {nproc} processes"
-    if nproc == 1:
-        return f"Training on {machines} machines"
-    return f"Training on {machines} machines, {nproc} processes on this one"
+        said = f"Training on {nproc} processes"
+    elif nproc == 1:
+        said = f"Training on {machines} machines"
+    else:
+        said = f"Training on {machines} machines, {nproc} processes on this one"
+    return said + (f", a pipeline of {stages} stages" if parallel == "pipeline" else "")
 
 
 def _step(last: dict | None) -> str:
@@ -200,16 +215,45 @@ def _lost(last: dict | None) -> str:
     return f"A training process or machine was lost during {_step(last)}"
 
 
+def choose_parallel(parallel: str, model, method: str, rank_budget: int, ranks: int,
+                    batch_rows: int, seq_len: int) -> str:
+    """"data" or "pipeline" for DOCTUNE_TRAIN_PARALLEL's `parallel`. "auto": a pipeline
+    when the model's training state does not fit one rank's memory budget (each stage then
+    pages only its own blocks instead of every rank paging the whole model) and the model
+    can be cut into `ranks` stages; data parallel otherwise."""
+    from offload import plan
+
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0
+    if parallel == "pipeline" and not 1 < ranks <= layers:
+        raise UserFacingError(f"A pipeline of {ranks} stages needs at least {ranks} blocks; "
+                              f"this model has {layers}. Set DOCTUNE_TRAIN_PARALLEL=data.")
+    if parallel != "auto":
+        return parallel
+    if not 1 < ranks <= layers:
+        return "data"
+    try:
+        fits = plan(model.config, rank_budget, 1.0, 1.0, batch_size=batch_rows, seq_len=seq_len,
+                    mode="lora" if method == "lora" else "full").fits_in_memory
+    except (AttributeError, TypeError, ValueError):  # not a shape the planner reads
+        return "data"
+    return "data" if fits else "pipeline"
+
+
 def train_on_ranks(base, recipe: FineTuneRecipe, nproc: int, hooks: Hooks, *,
                    peers: Callable[[], list[Peer]] | None = None, run_id: str = "doctune",
-                   start_adapter: Path | None = None, start_model: Path | None = None) -> None:
-    """Run `recipe`'s training on `nproc` data-parallel ranks of this machine (and on the
-    machines `peers()` finds), before the job's own `recipe.setup()`, which then resumes from
-    their last checkpoint. `base`: the job's in-memory base model handle
-    (worker.jobs.model_handle.InMemoryBaseModel); this machine's memory budget and CPU
-    threads are shared out between its ranks."""
+                   start_adapter: Path | None = None, start_model: Path | None = None,
+                   parallel: str = "auto") -> None:
+    """Run `recipe`'s training on `nproc` ranks of this machine (and on the machines
+    `peers()` finds), data parallel or as a pipeline (`parallel`, choose_parallel), before
+    the job's own `recipe.setup()`, which then takes their last checkpoint. `base`: the
+    job's in-memory base model handle (worker.jobs.model_handle.InMemoryBaseModel); this
+    machine's memory budget and CPU threads are shared out between its ranks."""
     device = base.device
     budget = base.budget_bytes or auto_budget_bytes(base.model, device=device)
+    cfg = recipe.config
+    ranks = nproc * (1 + (len(peers()) if peers is not None else 0))
+    parallel = choose_parallel(parallel, base.model, cfg.method, budget // nproc, ranks,
+                               cfg.batch_size, cfg.max_seq_len)
     spec = RankSpec(
         model_dir=str(base.model_dir),
         weights_files=[str(f) for f in base.engine_options().weights_files],
@@ -219,7 +263,7 @@ def train_on_ranks(base, recipe: FineTuneRecipe, nproc: int, hooks: Hooks, *,
         threads=max(1, torch.get_num_threads() // nproc),
         start_adapter=str(start_adapter) if start_adapter else None,
         start_model=str(start_model) if start_model else None,
-        parent_host=socket.gethostname(), parent_pid=os.getpid(),
+        parent_host=socket.gethostname(), parent_pid=os.getpid(), parallel=parallel,
     )
     run_ranks(spec, recipe.examples, nproc, hooks, peers, run_id)
 
@@ -229,7 +273,7 @@ def join_ranks(spec_path: str, endpoint: str, run_id: str, nnodes: int) -> int:
     with its own memory, threads and local swap folder, in the job's rendezvous; returns
     torchrun's exit code once the run ends (the job's machine handles what comes next)."""
     spec = RankSpec.read(Path(spec_path))
-    nproc = settings.train_processes
+    nproc = spec.node_ranks or settings.train_processes  # a pipeline: as many as it was given
     addr = node_address()
     budget = (settings.offload_budget_mb << 20 if settings.offload_budget_mb
               else auto_budget_bytes(device=torch.device("cpu")))

@@ -1,12 +1,14 @@
-"""One rank of a data-parallel training job: `python -m worker.distributed.rank SPEC`,
+"""One rank of a training job on several processes: `python -m worker.distributed.rank SPEC`,
 started by torchrun (worker/distributed/launch.py), which sets RANK, WORLD_SIZE, LOCAL_RANK
 and the rendezvous.
 
 Every rank loads the base model (in memory) and builds the recipe exactly as the job would in one
-process, with the engine in data-parallel mode: it trains its share of each batch and the
-gradients are summed across the ranks (offload/_parallel.py). Rank 0 writes the checkpoints
-and the progress lines; a cancel seen by rank 0 is broadcast, so all ranks stop at the same
-step, after the checkpoint."""
+process, with the engine in data-parallel mode (it trains its share of each batch and the
+gradients are summed across the ranks, offload/_parallel.py; rank 0 writes the checkpoints)
+or in pipeline mode (it trains its stage, a range of the blocks; every stage writes its part
+of the checkpoints, worker/training/pipelined.py). Rank 0 writes the progress lines; a
+cancel seen by rank 0 is broadcast, so all ranks stop at the same step, after the
+checkpoint."""
 
 from __future__ import annotations
 
@@ -85,7 +87,9 @@ def run(spec: RankSpec) -> None:
         options = EngineOptions(
             budget_bytes=spec.budget_bytes, swap_dir=Path(spec.swap_root) / f"rank{rank}",
             weights_files=[Path(f) for f in spec.weights_files],
-            device=str(device) if device.type == "cuda" else None, data_parallel=True,
+            device=str(device) if device.type == "cuda" else None,
+            data_parallel=spec.parallel == "data",
+            pipeline_parallel=spec.parallel == "pipeline",
         )
         start = adapter_start(Path(spec.start_adapter)) if spec.start_adapter else None
         recipe = FineTuneRecipe(model, spec.examples(), config, Path(spec.workdir),

@@ -25,6 +25,11 @@ class RankSpec:
     swap_root: str  # each rank pages under swap_root/rank<N> (local disk)
     budget_bytes: int  # memory each rank's engine may use
     threads: int  # torch threads per rank
+    # "data" or "pipeline" (worker/training/pipelined.py), and for a pipeline how many ranks
+    # every machine that joins runs (the stages are fixed for the run: its checkpoint has
+    # one part per stage).
+    parallel: str = "data"
+    node_ranks: int = 0
     start_adapter: str | None = None
     start_model: str | None = None
     # The job's process: when it is gone (its worker was killed), rank 0 (on that machine)

@@ -105,6 +105,7 @@ def run_pipeline(
     device: str = "cpu",
     scores_cache: Path | None = None,
     processes: int = 1,
+    parallel: str = "auto",
     peers: Callable[[], list] | None = None,
     run_id: str = "doctune",
 ) -> dict:
@@ -137,7 +138,8 @@ def run_pipeline(
     the result is the one process's (bitwise for 2, to float rounding for more). `peers()`:
     the other machines' free training workers to train with (worker.distributed.nodes),
     asked when training starts and again after a lost machine; `run_id` names the run's
-    rendezvous. A base model streamed from the disk trains in one process, here.
+    rendezvous; `parallel` ("auto", "data", "pipeline"): how the ranks share the work
+    (worker.distributed.launch.choose_parallel). A base model streamed from the disk trains in one process, here.
     """
     hooks = hooks or Hooks()
     configure_threads()
@@ -167,6 +169,7 @@ def run_pipeline(
                 previous = _previous_scores(workdir, job.job_key, hooks,
                                             lambda: score(base.model))
             train_on_ranks(base, recipe, processes, hooks, peers=peers, run_id=run_id,
+                           parallel=parallel,
                            start_adapter=job.start_adapter, start_model=job.start_model)
     recipe.setup()
     if on_ranks and recipe.progress.step < recipe.total_steps:

@@ -163,6 +163,7 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               stream_base=settings.stream_base_model,
                               device=settings.device,
                               processes=settings.train_processes,
+                              parallel=settings.train_parallel,
                               peers=_peers(node), run_id=f"job{job_id}-{attempt}",
                               scores_cache=settings.data_dir / "cache" / "before-scores")
         record = JobResults.from_pipeline(result)  # each part in its app.contract shape

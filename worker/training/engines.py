@@ -29,8 +29,13 @@ def lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     the whole batch once divided by its token count.
     """
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return token_loss_sum(logits, batch["labels"])
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """lm_loss_sum from the logits (the last stage of a pipeline has those, not the model)."""
     shift_logits = logits[:, :-1, :].float()
-    shift_labels = batch["labels"][:, 1:]
+    shift_labels = labels[:, 1:]
     return F.cross_entropy(
         shift_logits.reshape(-1, shift_logits.size(-1)),
         shift_labels.reshape(-1),
@@ -168,7 +173,7 @@ TELEMETRY_KEYS = (
     "peak_rss_bytes", "swap_bytes", "blocks_read_from_weights_files", "step_s",
     "bytes_read", "bytes_written", "read_gbps", "write_gbps", "stall_s",
     "prefetch_hits", "prefetch_misses", "prefetch_hit_rate",
-    "world_size", "reduce_bytes", "reduce_s",
+    "world_size", "reduce_bytes", "reduce_s", "pipeline_parallel",
 )  # fmt: skip
 
 
@@ -201,6 +206,8 @@ class OffloadTrainEngine:
         device: str | None = None,
         host_budget_bytes: int | None = None,
         data_parallel: bool = False,
+        pipeline_parallel: bool = False,
+        blocks: list[torch.nn.Module] | None = None,
     ) -> None:
         from offload import AdamWConfig, OffloadConfig, OffloadEngine, find_blocks
 
@@ -211,7 +218,8 @@ class OffloadTrainEngine:
         self.base_lr = learning_rate
         self._factor = warmup_linear_decay(total_steps, warmup_steps)
         self.steps_done = 0
-        self.n_blocks = len(find_blocks(model))
+        blocks = blocks if blocks is not None else find_blocks(model)
+        self.n_blocks = len(blocks)
         optim = AdamWConfig(
             lr=learning_rate * self._factor(0),
             betas=(0.9, 0.999),
@@ -230,12 +238,14 @@ class OffloadTrainEngine:
             device=device,
             host_budget_bytes=host_budget_bytes,
             data_parallel=data_parallel,
+            pipeline_parallel=pipeline_parallel,
         )
         files = [os.fspath(f) for f in weights_files or []]
         # init_weights: fills the pages of block parameters that hold no values (a model
         # larger than memory, worker/training/streamed.py) from the model's files.
         self.engine = OffloadEngine(
-            model, optim, config, weights_files=files or None, init_weights=init_weights
+            model, optim, config, blocks=blocks, weights_files=files or None,
+            init_weights=init_weights,
         )
         # Data parallel (worker/distributed/): this process is rank `rank` of `world_size`.
         self.rank, self.world_size = self.engine.rank, self.engine.world_size

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHECKPOINT_FORMAT = 2  # 2: the engine writes its own files; meta.json names the engine
+TRAINED = "trained.safetensors"  # a pipeline-parallel run's trained weights, after its last step
 ENGINES = ("offload", "memory")
 
 
@@ -91,12 +92,17 @@ class EngineOptions:
     # One rank of a data-parallel run (worker/distributed/): torch.distributed is set up,
     # every rank trains its share of each batch, rank 0 alone writes the checkpoints.
     data_parallel: bool = False
+    # One stage of a pipeline-parallel run (worker/training/pipelined.py): rank r trains its
+    # range of the blocks; every stage writes its part of each checkpoint.
+    pipeline_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINES:
             raise ValueError(f"Unknown engine {self.kind!r}; use one of {ENGINES}.")
-        if self.data_parallel and self.kind != "offload":
-            raise ValueError("Data parallel runs through the offload engine only.")
+        if (self.data_parallel or self.pipeline_parallel) and self.kind != "offload":
+            raise ValueError("Data and pipeline parallel run through the offload engine only.")
+        if self.data_parallel and self.pipeline_parallel:
+            raise ValueError("A run is data parallel or pipeline parallel, not both.")
 
 
 @dataclass
@@ -271,9 +277,13 @@ class FineTuneRecipe:
         self.model.train()
         if self.start_weights is not None:
             self.loaded_tensors = self.start_weights(self.model)
+        finished = self._finished_on_stages()  # before the engine takes the weights over
         self.engine = self._build_engine()
         try:
-            self._resume()
+            if finished is not None:
+                self._restore_progress(finished)
+            else:
+                self._resume()
         except BaseException:
             self._release_engine(restore=False)
             raise
@@ -296,7 +306,10 @@ class FineTuneRecipe:
         host_budget = None
         if device is not None and device.type == "cuda":
             host_budget = opts.host_budget_bytes or auto_budget_bytes(device=torch.device("cpu"))
-        engine = OffloadTrainEngine(
+        kind = OffloadTrainEngine
+        if opts.pipeline_parallel:  # this rank's stage of the model
+            from worker.training.pipelined import PipelineTrainEngine as kind
+        engine = kind(
             self.model,
             budget_bytes=budget,
             swap_dir=self.swap_dir,
@@ -306,7 +319,7 @@ class FineTuneRecipe:
             init_weights=opts.init_weights,
             device=opts.device,
             host_budget_bytes=host_budget,
-            data_parallel=opts.data_parallel,
+            **({"data_parallel": True} if opts.data_parallel else {}),
             **common,
         )
         t = engine.telemetry()
@@ -344,6 +357,7 @@ class FineTuneRecipe:
             "train_seconds": self.progress.train_seconds,
             "tokens": self.progress.tokens,
             "losses": self.progress.losses,
+            "stages": getattr(self.engine, "stages", 1),  # pipeline parallel: one part each
         }
 
     def _config_key(self) -> dict:
@@ -351,13 +365,15 @@ class FineTuneRecipe:
         key.pop("checkpoint_every")  # saving more or less often does not change the result
         return key
 
-    def _resume(self) -> None:
+    def _checkpoint_meta(self) -> dict | None:
+        """The checkpoint's meta.json when it was made by this run (same settings, data and
+        engine), else None."""
         # A crash between the two renames of save_checkpoint leaves only checkpoint.old.
         if not self.checkpoint_dir.exists() and self._old_dir.exists():
             os.rename(self._old_dir, self.checkpoint_dir)
         meta_path = self.checkpoint_dir / "meta.json"
         if not meta_path.is_file():
-            return
+            return None
         meta = json.loads(meta_path.read_text())
         same = (
             meta.get("format") == CHECKPOINT_FORMAT
@@ -367,11 +383,49 @@ class FineTuneRecipe:
         )
         if not same:
             log.warning("Ignoring %s: made with other settings or data.", self.checkpoint_dir)
+            return None
+        return meta
+
+    def _resume(self) -> None:
+        meta = self._checkpoint_meta()
+        if meta is None:
+            return
+        stages = getattr(self.engine, "stages", 1)
+        if int(meta.get("stages", 1)) != stages:
+            log.warning("Ignoring %s: written by %s pipeline stages, this run has %d.",
+                        self.checkpoint_dir, meta.get("stages", 1), stages)
             return
         self.engine.load_checkpoint(self.checkpoint_dir)
         rng = torch.load(self.checkpoint_dir / "rng.pt", weights_only=True)
-        torch.set_rng_state(rng["torch"])
+        if stages == 1:  # a stage's own generator came back with its engine's checkpoint
+            torch.set_rng_state(rng["torch"])
         random.setstate(_tuplify(rng["python"]))
+        self._restore_progress(meta)
+
+    def _finished_on_stages(self) -> dict | None:
+        """A pipeline-parallel run of this job that reached its last step (its ranks wrote
+        the checkpoint, worker/distributed/): its trained weights, loaded into the model;
+        returns the checkpoint's meta. None otherwise (and in the ranks themselves)."""
+        if self.engine_options.pipeline_parallel:
+            return None
+        meta = self._checkpoint_meta()
+        trained = self.checkpoint_dir / TRAINED
+        if (meta is None or int(meta.get("stages", 1)) <= 1
+                or int(meta["step"]) < self.total_steps or not trained.is_file()):
+            return None
+        from safetensors.torch import load_file
+
+        weights = load_file(trained)
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        if weights.keys() != params.keys():
+            log.warning("Ignoring %s: its weights do not fit this model.", trained)
+            return None
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])
+        return meta
+
+    def _restore_progress(self, meta: dict) -> None:
         self.progress = _Progress(
             step=int(meta["step"]),
             train_seconds=float(meta["train_seconds"]),
@@ -508,6 +562,9 @@ class FineTuneRecipe:
             return self.checkpoint_dir  # up to date (train() always ends with a checkpoint)
         if self.engine is None:
             raise RuntimeError("call setup() first")
+        if getattr(self.engine, "stages", 1) > 1:  # pipeline parallel: every stage writes
+            self._write_stage_checkpoint()
+            return self.checkpoint_dir
         if self.engine.world_size > 1:  # data parallel: rank 0 writes
             if self.engine.rank == 0:
                 self._write_checkpoint()
@@ -520,15 +577,45 @@ class FineTuneRecipe:
         return self.checkpoint_dir
 
     def _write_checkpoint(self) -> None:
+        tmp = self._fresh_tmp()
+        self.engine.save_checkpoint(tmp)
+        self._seal_checkpoint(tmp)
+
+    def _fresh_tmp(self) -> Path:
         self.workdir.mkdir(parents=True, exist_ok=True)
         tmp = self._tmp_dir
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+        return tmp
+
+    def _write_stage_checkpoint(self) -> None:
+        """Pipeline parallel: each stage writes its part (tmp/stage<r>); after the last
+        step every stage's trained weights go to rank 0 too, into TRAINED (what the job's
+        own process takes back); then rank 0 seals the checkpoint and swaps it in."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        first = self.engine.stage == 0
+        tmp = self._fresh_tmp() if first else self._tmp_dir
+        dist.barrier()  # the folder is there, empty
         self.engine.save_checkpoint(tmp)
+        weights = self.engine.trained_weights() if self.progress.step >= self.total_steps else None
+        dist.barrier()  # every part is written
+        if first:
+            if weights is not None:
+                save_file({k: v.contiguous() for k, v in weights.items()}, tmp / TRAINED)
+            self._seal_checkpoint(tmp)
+        dist.barrier()  # no stage goes on before the checkpoint is in place
+        self._last_saved_step = self.progress.step
+
+    def _seal_checkpoint(self, tmp: Path) -> None:
+        """The RNG states and counters next to the engine's files, all fsynced; then the
+        folder is swapped in for the previous checkpoint."""
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         (tmp / "meta.json").write_text(json.dumps(self._meta()) + "\n")
         for path in tmp.iterdir():
-            fsync_file(path)
+            if path.is_file():  # an engine's folder (a pipeline stage's) syncs its own
+                fsync_file(path)
         fsync_dir(tmp)
         if self.checkpoint_dir.exists():
             shutil.rmtree(self._old_dir, ignore_errors=True)

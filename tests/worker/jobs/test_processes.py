@@ -29,9 +29,10 @@ def tiny_dir(tmp_path_factory, smol_tokenizer):
     return tiny_model_dir(tmp_path_factory, smol_tokenizer)
 
 
-def _run(tiny_dir, workdir, rec, processes, **overrides):
+def _run(tiny_dir, workdir, rec, processes, parallel="data", **overrides):
     result = run_pipeline(DOCS, params(**TWO_MICRO, **overrides), str(tiny_dir),
-                          workdir / "models", workdir, rec.hooks(), processes=processes)
+                          workdir / "models", workdir, rec.hooks(), processes=processes,
+                          parallel=parallel)
     return result | {"losses": {p["step"]: p["loss"] for p in rec.progress}}
 
 
@@ -41,10 +42,13 @@ def one_process(tiny_dir, tmp_path_factory):
 
 
 def _same_training(a: dict, b: dict) -> None:
-    """The same losses at every step this run reported, the same final loss, and the same
-    scores after training (perplexities to the last bit: the same weights)."""
-    assert b["losses"] and all(a["losses"][s] == loss for s, loss in b["losses"].items())
-    assert a["metrics"]["final_loss"] == b["metrics"]["final_loss"]
+    """The same weights: the same scores after training (perplexities to the last bit) and
+    the same number of steps; the losses of every step this run reported equal to float32
+    rounding. On an AMD EPYC every loss was the same bits too; on an Intel Xeon a few steps'
+    reported losses differ in float32's last bit (data parallel and pipeline alike) while
+    the weights after them are still the same bits."""
+    assert b["losses"] and [pytest.approx(a["losses"][s], rel=1e-6) for s in b["losses"]] == [
+        b["losses"][s] for s in b["losses"]]
     assert a["metrics"]["steps"] == b["metrics"]["steps"]
     assert a["scores"]["after"] == b["scores"]["after"]
 
@@ -114,3 +118,16 @@ def test_a_lost_process_is_said_in_words_and_the_job_goes_on_from_its_checkpoint
     steps = [p["step"] for p in rec.progress]
     assert steps.count(1) == 1  # it went on from a checkpoint, not from the start
     assert set(steps) == set(range(1, result["metrics"]["steps"] + 1))
+
+
+def test_a_pipeline_of_two_processes_trains_as_one_process(tiny_dir, tmp_path, one_process):
+    """DOCTUNE_TRAIN_PARALLEL=pipeline: each process one stage (half of the blocks, paged by
+    its own engine), GPipe between them; the job's own process takes the trained weights
+    back from the checkpoint the stages wrote, scores and exports as after one process."""
+    rec = Recorder()
+    result = _run(tiny_dir, tmp_path, rec, 2, parallel="pipeline")
+    assert ("running", "Training on 2 processes, a pipeline of 2 stages") in rec.phases
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir() if p.is_dir()) == [
+        "stage0", "stage1"]
+    assert rec.progress[-1]["telemetry"]["pipeline_parallel"] is True
+    _same_training(one_process, result)
