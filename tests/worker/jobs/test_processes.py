@@ -105,10 +105,13 @@ class KillRank(Recorder):
         return hooks
 
 
+@pytest.mark.parametrize("parallel", ["data", "pipeline"])
 def test_a_lost_process_is_said_in_words_and_the_job_goes_on_from_its_checkpoint(
-        tiny_dir, tmp_path, one_process):
+        tiny_dir, tmp_path, one_process, parallel):
+    """Rank 1 killed at step 3: the job says so and starts the ranks again from the last
+    checkpoint (a pipeline with its two stages again: here, both on this machine)."""
     rec = KillRank(at=3)
-    result = _run(tiny_dir, tmp_path, rec, 2)
+    result = _run(tiny_dir, tmp_path, rec, 2, parallel=parallel)
     assert rec.killed is not None and not _ranks_alive()
     said = [text for _, text in rec.phases if "lost" in text]
     assert len(said) == 1 and re.fullmatch(

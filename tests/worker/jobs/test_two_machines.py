@@ -47,11 +47,15 @@ def _online(*nodes: str) -> bool:
         return len(rows) == len(nodes)
 
 
-def test_a_job_trains_on_two_machines_over_the_link(tmp_path):
+@pytest.mark.parametrize("parallel", ["data", "pipeline"])
+def test_a_job_trains_on_two_machines_over_the_link(tmp_path, parallel):
+    """Data parallel: the gradients cross the link. A pipeline: each machine one stage, the
+    hidden states and their gradients cross it."""
     project_id = _ready_project(tmp_path, "two machines")
     with TwoNodes(LINKS[1]) as nodes:
         redis, url = _redis_on(nodes.addr_a)
-        settings_ = {"REDIS_URL": url, "DOCTUNE_TRAIN_NODES": "2"}
+        settings_ = {"REDIS_URL": url, "DOCTUNE_TRAIN_NODES": "2",
+                     "DOCTUNE_TRAIN_PARALLEL": parallel}
         a = WorkerProcess("train", "train", host="node-a", env=settings_)
         b = WorkerProcess("train", "train", host="node-b", env=settings_,
                           prefix=nodes.on_b([]))
@@ -77,9 +81,10 @@ def test_a_job_trains_on_two_machines_over_the_link(tmp_path):
             redis.wait(timeout=10)
     assert job.state == JobState.done, job.error
     assert job.claimed_by in (a.node, b.node)  # either may take it from the train queue
-    assert job.telemetry["world_size"] == 2  # rank 0's engine summed over two ranks
-    assert job.telemetry["reduce_bytes"] > 0
-    assert crossed >= job.telemetry["reduce_bytes"]  # the gradients went over the link
+    assert job.telemetry["world_size"] == 2  # rank 0's engine: one of two ranks
+    assert job.telemetry["pipeline_parallel"] is (parallel == "pipeline")
+    assert job.telemetry["reduce_bytes"] > 0  # gradients summed, or the norm gathered
+    assert crossed >= job.telemetry["reduce_bytes"]  # over the link
     logs = SESSION_DIR / "data" / "jobs" / str(job_id) / "ranks"
     other = nodes.addr_b if job.claimed_by == a.node else nodes.addr_a
     assert [p for p in logs.glob("ranks-*.log") if other in p.name], "the other machine ran no ranks"
