@@ -345,10 +345,11 @@ class OffloadEngine:
         if not self.config.pipeline_parallel:
             raise OffloadError("step_pipelined needs OffloadConfig(pipeline_parallel=True)")
         st = self._state
-        self._check_activations(rows * micro_batches, seq, training=False)
+        # Every micro-batch's forward comes before the first backward: the activations (and
+        # the graphs, when kept) of all of them at once.
+        keep = self._check_activations(rows * micro_batches, seq)
         st.pipe_micros, st.pipe_forwards, st.pipe_backwards = micro_batches, 0, 0
-        # Every micro-batch's forward comes before the first backward: no graphs kept.
-        with self._optimizer_step(keep_graphs=False, pipelined=True):
+        with self._optimizer_step(keep_graphs=keep, pipelined=True):
             result = run()
             if st.pipe_backwards != micro_batches:
                 raise PipelineError(f"the schedule ran {st.pipe_backwards} backward passes "

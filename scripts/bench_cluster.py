@@ -10,9 +10,13 @@ on node A, gloo pinned to the veth), through the job's own rank code
 same global batch alone. Both nodes share this machine's cores, so one thread per node.
 
 Per method (LoRA, full fine-tuning of SmolLM2-135M) and link: tokens/s with one node and with
-two, the scaling efficiency (two nodes' tokens/s over twice one node's), bytes on the wire per
-step (the veth's counters), and a step's compute against communication time (seconds waited
-in all_reduce, from the engine's telemetry). Steps after the first two are measured.
+two, data parallel (each node half of every batch, the gradients summed over the link) and as
+a pipeline (each node half of the blocks, worker/training/pipelined.py: the hidden states and
+their gradients cross the link, and SmolLM2's tied embeddings' gradient once per step), the
+scaling efficiency (two nodes' tokens/s over twice one node's), bytes on the wire per step
+(the veth's counters), and a step's compute against communication time (seconds waited in
+the engine's collectives, from its telemetry; a pipeline's sends and receives are inside
+its schedule). Steps after the first two are measured.
 
 Inference (scripts/cluster_infer.py, worker/distributed/inference.py): Llama-shaped models built
 from a config at two sizes (SmolLM2-135M's 9 query heads do not split in two), greedy
@@ -50,14 +54,16 @@ WARM = 2  # steps left out of the figures (allocations, first reads)
 TIMEOUT_S = 3600
 
 
-def _spec(model_dir: Path, method: str, steps: int, work: Path) -> RankSpec:
+def _spec(model_dir: Path, method: str, steps: int, work: Path,
+          parallel: str = "data") -> RankSpec:
     config = TrainConfig(method=method, epochs=1, max_steps=steps, batch_size=ROWS // 2,
                          grad_accum=2, max_seq_len=SEQ, learning_rate=1e-4,
                          checkpoint_every=10_000)
     return RankSpec(model_dir=str(model_dir),
                     weights_files=[str(f) for f in sorted(model_dir.glob("*.safetensors"))],
                     device="cpu", config=config.to_dict(), pad_token_id=0, workdir=str(work),
-                    swap_root=str(work / "swap"), budget_bytes=6 << 30, threads=1)
+                    swap_root=str(work / "swap"), budget_bytes=6 << 30, threads=1,
+                    parallel=parallel)
 
 
 def _examples(n: int, vocab: int = 49152) -> list[dict]:
@@ -67,6 +73,9 @@ def _examples(n: int, vocab: int = 49152) -> list[dict]:
 
 
 def _figures(spec: RankSpec, wire: int | None) -> dict:
+    """From rank 0's progress lines. Data parallel: communication is the time waited in
+    all_reduce. A pipeline's sends and receives happen inside its schedule (the engine
+    sees only the gathered norm and the tied embeddings' sum): comm_s is that part alone."""
     lines = [json.loads(x) for x in spec.progress_path.read_text().splitlines()]
     measured = lines[WARM:]
     t_last, t_first = measured[-1]["telemetry"], lines[WARM - 1]["telemetry"]
@@ -197,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inference-sizes", default="small,large",
                         help="model sizes for PP against TP ('' to skip)")
     parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--parallel", default="data,pipeline",
+                        help="how two nodes train: data parallel, a pipeline, or both")
     args = parser.parse_args(argv)
     why = usable()
     if why:
@@ -211,17 +222,19 @@ def main(argv: list[str] | None = None) -> int:
             single = one_node(_spec(args.model_dir, method, args.steps, scratch / f"{method}-1"),
                               examples)
             for i, link in enumerate(LINKS):
-                with TwoNodes(link) as nodes:
-                    work = scratch / f"{method}-2-{i}"
-                    two = two_nodes(_spec(args.model_dir, method, args.steps, work), examples,
-                                    nodes, run_id=f"bench-{method}-{i}")
-                    applied = dict(nodes.applied)
-                shutil.rmtree(work, ignore_errors=True)
-                rows.append({"method": method, "link": link.name, "applied": applied,
-                             "one_node": single, "two_nodes": two,
-                             "efficiency": round(two["tokens_per_s"]
-                                                 / (2 * single["tokens_per_s"]), 3)})
-                _print_row(rows[-1])
+                for parallel in filter(None, args.parallel.split(",")):
+                    with TwoNodes(link) as nodes:
+                        work = scratch / f"{method}-2-{i}-{parallel}"
+                        spec = _spec(args.model_dir, method, args.steps, work, parallel)
+                        two = two_nodes(spec, examples, nodes,
+                                        run_id=f"bench-{method}-{i}-{parallel}")
+                        applied = dict(nodes.applied)
+                    shutil.rmtree(work, ignore_errors=True)
+                    rows.append({"method": method, "link": link.name, "parallel": parallel,
+                                 "applied": applied, "one_node": single, "two_nodes": two,
+                                 "efficiency": round(two["tokens_per_s"]
+                                                     / (2 * single["tokens_per_s"]), 3)})
+                    _print_row(rows[-1])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     out["training"] = rows
@@ -241,7 +254,7 @@ def _print_row(r: dict) -> None:
     shaped = ("as fast as the veth" if applied["rate_mbit"] is None else
               f"{applied['rate_mbit']:g} Mbit/s" + (f" + {applied['delay_ms']} ms"
                                                     if applied["delay_ms"] else " (no delay: no netem)"))
-    print(f"{r['method']:>5} | {r['link']:<18} | applied: {shaped:<28} | 1 node {one['tokens_per_s']:>7.1f} tok/s"
+    print(f"{r['method']:>5} | {r['parallel']:<8} | {r['link']:<18} | applied: {shaped:<28} | 1 node {one['tokens_per_s']:>7.1f} tok/s"
           f" | 2 nodes {two['tokens_per_s']:>7.1f} tok/s | efficiency {r['efficiency']:.2f}"
           f" | wire {two['wire_mb_per_step']:>7.1f} MB/step | step {two['step_s']:.2f} s ="
           f" compute {two['compute_s']:.2f} + comm {two['comm_s']:.2f}", flush=True)

@@ -26,6 +26,7 @@ gradient are added in another order (tests/worker/distributed/test_pipeline_trai
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from pathlib import Path
 
@@ -49,6 +50,9 @@ class StageModule(torch.nn.Module):
     def __init__(self, lm: torch.nn.Module, first: bool, last: bool) -> None:
         super().__init__()
         self.lm, self.first, self.last = lm, first, last
+        # The model's shape with the stage's blocks: what the engine sizes activations by.
+        self.config = copy.copy(lm.config)
+        self.config.num_hidden_layers = len(lm.model.layers)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
@@ -62,10 +66,21 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def stage_range(n_blocks: int, stage: int, stages: int) -> tuple[int, int]:
+def stage_range(n_blocks: int, stage: int, stages: int, head_blocks: float = 0.0
+                ) -> tuple[int, int]:
+    """Blocks [lo, hi) of `stage`: the stages' work made even, the last stage's output layer
+    counted as `head_blocks` blocks' worth (a 49k-word vocabulary's layer is as much
+    arithmetic as eight of SmolLM2-135M's blocks); every stage gets a block at least."""
     if not 1 < stages <= n_blocks:
         raise ValueError(f"{n_blocks} blocks do not make {stages} pipeline stages")
-    return stage * n_blocks // stages, (stage + 1) * n_blocks // stages
+    share = (n_blocks + head_blocks) / stages
+
+    def end(s: int) -> int:  # where stage s's blocks end
+        if s == stages - 1:
+            return n_blocks
+        return min(max(round(share * (s + 1)), s + 1), n_blocks - (stages - 1 - s))
+
+    return (end(stage - 1) if stage else 0), end(stage)
 
 
 def cut_stage(model: torch.nn.Module, stage: int, stages: int
@@ -76,7 +91,8 @@ def cut_stage(model: torch.nn.Module, stage: int, stages: int
     lm = causal_lm(model)
     inner = lm.model
     whole = {id(p): n for n, p in model.named_parameters()}
-    lo, hi = stage_range(len(inner.layers), stage, stages)
+    block = sum(p.numel() for p in inner.layers[0].parameters())
+    lo, hi = stage_range(len(inner.layers), stage, stages, lm.lm_head.weight.numel() / block)
     first, last = stage == 0, stage == stages - 1
     tied = lm.lm_head.weight is inner.embed_tokens.weight and lm.lm_head.weight.requires_grad
     inner.layers = torch.nn.ModuleList(list(inner.layers)[lo:hi])

@@ -25,6 +25,7 @@ from worker.training.pipelined import PipelineTrainEngine
 LR, WD, CLIP = 1e-2, 0.1, 1.0
 DEEP = {"num_hidden_layers": 6, "vocab_size": 128}
 # Small enough that a stage's blocks stream (its whole training state does not fit).
+STAGE_ACT = 800_000
 BUDGET = {"full": (2_000_000, 700_000), "tied": (2_000_000, 700_000), "lora": (1_200_000, 700_000)}
 
 
@@ -42,6 +43,8 @@ def build(mode: str) -> torch.nn.Module:
 
 def engine(mode: str, model, swap: str, steps: int, pipeline: bool):
     budget, act = BUDGET[mode]
+    if pipeline:  # a stage holds every micro-batch's activations (GPipe): room for them
+        budget, act = budget + STAGE_ACT, act + STAGE_ACT
     kind = PipelineTrainEngine if pipeline else OffloadTrainEngine
     return kind(model, learning_rate=LR, total_steps=steps, warmup_steps=1, weight_decay=WD,
                 grad_clip=CLIP, grad_accum=2, budget_bytes=budget, swap_dir=swap,
