@@ -240,6 +240,10 @@ class Worker(Base):
     # Refreshed every contract.workers.HEARTBEAT_EVERY_S while it runs.
     last_seen_at: Mapped[datetime] = mapped_column(DateTime)
     stopped_at: Mapped[datetime | None] = mapped_column(DateTime, default=None)  # shut down
+    # The job whose training ranks it runs for another machine's worker (one job on several
+    # machines, worker/distributed/nodes.py reserves it); None, or a job no longer running:
+    # free to lend.
+    lending_to: Mapped[int | None] = mapped_column(Integer, default=None)
 
 
 class Instance(Base):

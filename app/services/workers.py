@@ -1,6 +1,7 @@
 """The admin's Workers page: every worker that registered (worker/registry.py), whether it is
-online, its machine's hardware, and the jobs it is running (running or evaluating jobs it
-claimed, Job.claimed_by)."""
+online, its machine's hardware, the jobs it is running (running or evaluating jobs it
+claimed, Job.claimed_by) and the one it lends its training ranks to (Worker.lending_to: a job
+another machine's worker runs on several machines)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class WorkerRow:
     hardware: Hardware
     online: bool
     jobs: list[Job]
+    lending_to: Job | None  # a running job of another worker that this one trains ranks for
 
 
 def worker_rows(session: Session, now: datetime | None = None) -> list[WorkerRow]:
@@ -31,13 +33,14 @@ def worker_rows(session: Session, now: datetime | None = None) -> list[WorkerRow
     seen_since = (now or utcnow()) - timedelta(seconds=ONLINE_WITHIN_S)
     workers = session.scalars(select(Worker).order_by(Worker.node)).all()
     running = session.scalars(
-        select(Job).where(Job.state.in_([JobState.running, JobState.evaluating]),
-                          Job.claimed_by.in_([w.node for w in workers])).order_by(Job.id)
+        select(Job).where(Job.state.in_([JobState.running, JobState.evaluating])).order_by(Job.id)
     ).all()
+    by_id = {j.id: j for j in running}
     rows = [
         WorkerRow(worker=w, hardware=Hardware.model_validate(w.hardware or {}),
                   online=w.stopped_at is None and w.last_seen_at >= seen_since,
-                  jobs=[j for j in running if j.claimed_by == w.node])
+                  jobs=[j for j in running if j.claimed_by == w.node],
+                  lending_to=by_id.get(w.lending_to) if w.lending_to is not None else None)
         for w in workers
     ]
     return sorted(rows, key=lambda row: not row.online)  # stable: names stay in order

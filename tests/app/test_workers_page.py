@@ -79,3 +79,25 @@ def test_no_worker_yet_says_how_to_add_a_machine(env):
         page = admin.get("/admin/workers").text
     assert "No worker has registered yet" in page
     assert "doctune worker --join --redis redis://HOST:6379/0" in page
+
+
+def test_a_worker_lending_its_ranks_shows_whose_job_it_trains(env):
+    """A job on several machines reserves the other machines' workers (Worker.lending_to,
+    worker/distributed/nodes.py); the page says which job each trains for, and a
+    reservation whose job is over shows as nothing."""
+    with session_scope() as session:
+        project = make_project(session, "Handbook")
+        make_worker(session, "train@main")
+        running = make_job(session, project, JobState.running, claimed_by="train@main")
+        over = make_job(session, project, JobState.done, claimed_by="train@main")
+        make_worker(session, "train@box2", lending_to=running.id)
+        make_worker(session, "train@box3", lending_to=over.id)
+        running_id = running.id
+    with local_client(create_app()) as admin:
+        page = html.unescape(admin.get("/admin/workers").text)
+    box2 = _row(page, "train@box2")
+    assert (f'Training ranks of <a href="/jobs/{running_id}">Job {running_id}</a> of Handbook, '
+            "for train@main") in box2
+    assert "nothing" not in box2
+    box3 = _row(page, "train@box3")
+    assert "nothing" in box3 and "Training ranks" not in box3

@@ -162,6 +162,16 @@ def run_ranks(spec: RankSpec, examples: list[dict], nproc: int, hooks: Hooks,
 
     A pipeline keeps its number of stages (its checkpoint has one part per stage): when
     fewer machines are free after a loss, this machine runs the missing stages."""
+    try:
+        _run_attempts(spec, examples, nproc, hooks, peers, run_id)
+    finally:
+        release = getattr(peers, "release", None)
+        if release is not None:  # the other machines are free for other jobs again
+            release()
+
+
+def _run_attempts(spec: RankSpec, examples: list[dict], nproc: int, hooks: Hooks,
+                  peers: Callable[[], list[Peer]] | None, run_id: str) -> None:
     spec_path = spec.write(examples)
     last, stages = None, None
     for attempt in range(RELAUNCHES + 1):

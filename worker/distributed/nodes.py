@@ -14,7 +14,7 @@ from datetime import timedelta
 from urllib.parse import urlsplit
 
 import psutil
-from sqlalchemy import select
+from sqlalchemy import Select, or_, select, update
 
 from app.contract.tasks import TRAIN_QUEUE, node_host, node_queue
 from app.contract.workers import ONLINE_WITHIN_S
@@ -58,18 +58,64 @@ def gloo_env(address: str) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
-def free_peers(count: int, me: str) -> list[Peer]:
+def _running() -> Select:
+    return select(Job.id).where(Job.state.in_([JobState.running, JobState.evaluating]))
+
+
+def free_peers(count: int, me: str, job_id: int | None = None) -> list[Peer]:
     """Up to `count` online training workers on other machines than `me`'s (a node name)
-    that run no job of their own, the most recently seen first."""
+    that run no job of their own and lend to no other running job, the most recently seen
+    first. With `job_id` they are reserved for that job (Worker.lending_to, one conditional
+    UPDATE each: of two jobs asking at once, each gets other workers) until release_peers;
+    the job's own reservations count as free to it, so asking again finds them again."""
     if count <= 0:
         return []
     seen_since = utcnow() - timedelta(seconds=ONLINE_WITHIN_S)
     with session_scope() as session:
-        busy = set(session.scalars(select(Job.claimed_by).where(
-            Job.state.in_([JobState.running, JobState.evaluating]))))
+        busy = set(session.scalars(select(Job.claimed_by).where(Job.id.in_(_running()))))
         workers = session.scalars(select(Worker).where(
             Worker.stopped_at.is_(None), Worker.last_seen_at >= seen_since,
         ).order_by(Worker.last_seen_at.desc())).all()
-        return [Peer(w.node) for w in workers
-                if TRAIN_QUEUE in (w.queues or []) and w.node not in busy
-                and node_host(w.node) != node_host(me)][:count]
+        candidates = [w.node for w in workers
+                      if TRAIN_QUEUE in (w.queues or []) and w.node not in busy
+                      and node_host(w.node) != node_host(me)]
+    found: list[Peer] = []
+    for node in candidates:
+        if len(found) == count:
+            break
+        if job_id is None or _reserve(node, job_id):
+            found.append(Peer(node))
+    return found
+
+
+def _reserve(node: str, job_id: int) -> bool:
+    with session_scope() as session:
+        free = or_(Worker.lending_to.is_(None), Worker.lending_to == job_id,
+                   Worker.lending_to.not_in(_running()))
+        done = session.execute(update(Worker).where(Worker.node == node, free)
+                               .values(lending_to=job_id))
+        return done.rowcount == 1
+
+
+@dataclass(frozen=True)
+class PeerFinder:
+    """A job's way to other machines: called, the free workers (reserved for `job_id`);
+    release() frees them, once its ranks are done."""
+
+    count: int
+    me: str
+    job_id: int | None = None
+
+    def __call__(self) -> list[Peer]:
+        return free_peers(self.count, self.me, self.job_id)
+
+    def release(self) -> None:
+        if self.job_id is not None:
+            release_peers(self.job_id)
+
+
+def release_peers(job_id: int) -> None:
+    """The workers `job_id` reserved are free again (its training ended, however)."""
+    with session_scope() as session:
+        session.execute(update(Worker).where(Worker.lending_to == job_id)
+                        .values(lending_to=None))

@@ -121,14 +121,15 @@ class _RowHooks:
         self._last_write = time.monotonic()
 
 
-def _peers(node: str):
+def _peers(node: str, job_id: int):
     """Which other machines train this job with this one (DOCTUNE_TRAIN_NODES > 1): a
-    function, asked when training starts and again after a lost machine."""
+    function, asked when training starts and again after a lost machine; the workers it
+    finds are reserved for the job until it ends (run_job releases them)."""
     if settings.train_nodes <= 1:
         return None
-    from worker.distributed.nodes import free_peers
+    from worker.distributed.nodes import PeerFinder
 
-    return lambda: free_peers(settings.train_nodes - 1, node)
+    return PeerFinder(settings.train_nodes - 1, node, job_id)
 
 
 def run_job(job_id: int, node: str | None = None) -> str | None:
@@ -164,7 +165,7 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
                               device=settings.device,
                               processes=settings.train_processes,
                               parallel=settings.train_parallel,
-                              peers=_peers(node), run_id=f"job{job_id}-{attempt}",
+                              peers=_peers(node, job_id), run_id=f"job{job_id}-{attempt}",
                               scores_cache=settings.data_dir / "cache" / "before-scores")
         record = JobResults.from_pipeline(result)  # each part in its app.contract shape
     except Cancelled:
@@ -179,6 +180,10 @@ def run_job(job_id: int, node: str | None = None) -> str | None:
         outcome = (JobState.done, "Done", None)
 
     row.flush()
+    if settings.train_nodes > 1:  # the ranks released them; after a crash there, here
+        from worker.distributed.nodes import release_peers
+
+        release_peers(job_id)
     # The swap is scratch: a resumed job rebuilds it from its checkpoint.
     shutil.rmtree(job_swap_dir(job_id), ignore_errors=True)
     with session_scope() as session:
