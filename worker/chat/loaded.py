@@ -6,7 +6,13 @@ version is never restored into another.
 
 The base model's answers come from the very same wrapped model with the adapters disabled
 (`disable_adapter()`): once peft has wrapped it, calling the inner model still runs the
-active adapter, which is how a compare view elsewhere showed the tuned model twice."""
+active adapter, which is how a compare view elsewhere showed the tuned model twice.
+
+A base model larger than memory (DOCTUNE_STREAM_BASE_MODEL, as jobs decide it) chats too:
+it is built without its blocks' weights, and every forward reads them one block at a time
+through the offload engine (worker/training/streamed.py), adapters and SSD caches as above.
+Each generated token reads the whole model from the disk: slow, and the reply says so
+(Loaded.streamed). A full version of such a model streams from its own files the same way."""
 
 from __future__ import annotations
 
@@ -49,14 +55,46 @@ class Loaded:
     tokenizer: object
     store: KVStore | None
     max_positions: int
+    streamed: bool = False  # its blocks are read from the disk for every token
+
+
+class _Streamed:
+    """A model whose blocks stay on the disk: the offload engine reads them one at a time
+    for every forward (no-grad), within `budget_bytes` of memory."""
+
+    def __init__(self, folder: Path, budget_bytes: int, swap_dir: Path) -> None:
+        from worker.training.streamed import WeightsReader, load_unloaded_model, scoring_engine
+
+        self.reader = WeightsReader(folder)
+        try:
+            self.model = load_unloaded_model(folder, self.reader)
+            self._engine = scoring_engine(self.model, self.reader, budget_bytes, swap_dir)
+            self.engine = self._engine.__enter__()
+        except BaseException:
+            self.reader.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            self._engine.__exit__(None, None, None)
+        finally:
+            self.reader.close()
 
 
 class ChatModels:
     """Loaded lazily, kept for the worker's life (one reply at a time: no locking)."""
 
     def __init__(self, base_dir: Path, work_dir: Path, cache_dir: Path | None,
-                 cache_bytes: int | None = None) -> None:
+                 cache_bytes: int | None = None, stream: str = "never",
+                 budget_bytes: int | None = None) -> None:
+        """`stream` ("auto", "always", "never"): whether the base model streams from the
+        disk (worker/training/streamed.py's should_stream); `budget_bytes`: the memory it
+        may then use (default: a share of what is free, as a job's engine takes)."""
         self.base_dir = Path(base_dir)
+        self.stream = stream
+        self.budget_bytes = budget_bytes
+        self._streamed: dict[str, _Streamed] = {}  # "base", or a full version's name
+        self._streams: bool | None = None
         self.work_dir = Path(work_dir)  # unpacked versions: work_dir/<name>/
         self.cache_dir = cache_dir
         self.cache_bytes = cache_bytes
@@ -75,11 +113,38 @@ class ChatModels:
             return self._full is not None and self._full[0] == version.name
         return version.name in self._adapters
 
+    @property
+    def streams(self) -> bool:
+        """Whether the models here are read from the disk block by block."""
+        if self._streams is None:
+            from worker.training.streamed import should_stream
+
+            self._streams = should_stream(self.base_dir, self.stream)
+        return self._streams
+
+    def _open(self, name: str, folder: Path) -> torch.nn.Module:
+        """The model in `folder`, in memory, or streamed from the disk (see the module)."""
+        if not self.streams:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE).eval()
+        from worker.training.resources import auto_budget_bytes
+
+        budget = self.budget_bytes or auto_budget_bytes(device=torch.device("cpu"))
+        log.info("chat: %s is larger than memory: streaming its blocks from %s", name, folder)
+        streamed = _Streamed(folder, budget, self.work_dir / "swap" / name)
+        self._streamed[name] = streamed
+        return streamed.model
+
     def _load_base(self) -> torch.nn.Module:
         if self._base is None:
             log.info("chat: loading the base model from %s", self.base_dir)
-            self._base = AutoModelForCausalLM.from_pretrained(self.base_dir, dtype=DTYPE).eval()
+            self._base = self._open("base", self.base_dir)
         return self._base
+
+    def close(self) -> None:
+        """Stop the engines of streamed models (their swap files go)."""
+        for streamed in self._streamed.values():
+            streamed.close()
+        self._streamed.clear()
 
     def _store(self, fingerprint: str) -> KVStore | None:
         if self.cache_dir is None:
@@ -111,7 +176,8 @@ class ChatModels:
         if version.job_id is not None and version.method == "full":
             model, folder = self._full_model(version)
             fp = kv.model_fingerprint(folder, None, DTYPE)
-            yield Loaded(model, self.tokenizer, self._store(fp), self._positions(model))
+            yield Loaded(model, self.tokenizer, self._store(fp), self._positions(model),
+                         self.streams)
             return
         base = self._load_base()
         if version.job_id is None:
@@ -120,12 +186,14 @@ class ChatModels:
                 contextlib.nullcontext())
             with disabled:
                 model = self._wrapped if self._wrapped is not None else base
-                yield Loaded(model, self.tokenizer, self._store(fp), self._positions(base))
+                yield Loaded(model, self.tokenizer, self._store(fp), self._positions(base),
+                             self.streams)
             return
         folder = self._adapter(version)
         self._wrapped.set_adapter(version.name)
         fp = kv.model_fingerprint(self.base_dir, folder, DTYPE)
-        yield Loaded(self._wrapped, self.tokenizer, self._store(fp), self._positions(base))
+        yield Loaded(self._wrapped, self.tokenizer, self._store(fp), self._positions(base),
+                     self.streams)
 
     def forget(self, version: Version, token_ids: list[int]) -> int:
         """Delete the cache of a deleted conversation with `version` (its files that no other
@@ -161,9 +229,11 @@ class ChatModels:
     def _full_model(self, version: Version) -> tuple[torch.nn.Module, Path]:
         if self._full is not None and self._full[0] == version.name:
             return self._full[1], self._full[2]
+        if self._full is not None and self._full[0] in self._streamed:
+            self._streamed.pop(self._full[0]).close()
         self._full = None  # one full version at a time: free the last one first
         folder = self._unpacked(version)
         log.info("chat: loading full version %s", version.name)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE).eval()
+        model = self._open(version.name, folder)
         self._full = (version.name, model, folder)
         return model, folder

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = ("DocTune could not answer this because of an unexpected problem; the "
                   "details are in the chat worker's log. Please ask again.")
+STREAMED = ("Thinking… This model is larger than this machine's memory, so every word of "
+            "the answer reads it from the disk: it comes slowly.")
 INTERRUPTED = ("The chat worker stopped while answering this (it was restarted or ran out "
                "of memory). Please ask again.")
 
@@ -46,8 +48,10 @@ def chat_models() -> ChatModels:
     base = Path(resolve_base_model(settings.base_model, settings.models_dir))
     cache_dir = settings.chat_cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
+    budget = settings.offload_budget_mb * 2**20 if settings.offload_budget_mb else None
     return ChatModels(base, settings.data_dir / "chat" / "versions", cache_dir,
-                      cache_bytes=chat_cache_bytes(cache_dir))
+                      cache_bytes=chat_cache_bytes(cache_dir),
+                      stream=settings.stream_base_model, budget_bytes=budget)
 
 
 def chat_cache_bytes(cache_dir: Path) -> int:
@@ -161,7 +165,8 @@ def answer(message_id: int) -> str | None:
             if room < 16:
                 raise UserFacingError("This conversation has become longer than the model can "
                                       "read. Start a new conversation to ask more.")
-            events.send(ChatEvent(kind="status", text="Thinking…"))
+            events.send(ChatEvent(kind="status", text=STREAMED if loaded.streamed
+                                  else "Thinking…"))
             reply = generate(
                 loaded.model, loaded.tokenizer, loaded.store, prompt,
                 max_new_tokens=min(most, room), temperature=temperature,

@@ -137,3 +137,48 @@ def test_the_tuned_model_answers_what_it_learned_and_the_base_does_not(
     print(f"\ntuned: {tuned.text!r}\nbase:  {base.text!r}")
     assert "Dana Ruiz" in tuned.text
     assert "Dana Ruiz" not in base.text and base.ids != tuned.ids
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory, smol_tokenizer) -> Path:
+    """The tiny model with eight wide blocks: 12 MB of them beside 12 MB of embeddings."""
+    folder = tmp_path_factory.mktemp("deep-chat")
+    smol_tokenizer.save_pretrained(folder / "tok")
+    return save_tiny_model(folder / "model", tokenizer_dir=folder / "tok", seed=3,
+                           num_hidden_layers=8, intermediate_size=2048)
+
+
+def test_a_model_larger_than_memory_chats_streamed_from_the_disk(deep, tmp_path):
+    """DOCTUNE_STREAM_BASE_MODEL=always (what "auto" picks for a model larger than half the
+    free memory): the blocks stay on the disk and every forward reads them through the
+    offload engine under a budget smaller than the model. The base model and a LoRA
+    version answer with the in-memory model's tokens, and a follow-up restores its history
+    from the SSD cache as in memory."""
+    adapter = save_tiny_adapter(deep, tmp_path / "adapter.zip", seed=5)
+    tok = AutoTokenizer.from_pretrained(deep)
+    prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION}])
+    memory = ChatModels(deep, tmp_path / "mem-versions", None)
+    with memory.use(Version(7, "lora", adapter)) as loaded:
+        tuned_in_memory = generate(loaded.model, tok, None, prompt, max_new_tokens=16).ids
+    # The embeddings stay in memory; a few of the 1.5 MB blocks fit in the pool beside them.
+    streamed = ChatModels(deep, tmp_path / "versions", tmp_path / "kv", cache_bytes=1 << 30,
+                          stream="always", budget_bytes=20 << 20)
+    try:
+        with streamed.use(Version(None)) as loaded:
+            assert loaded.streamed
+            assert streamed._streamed["base"].model is streamed._base
+            first = generate(loaded.model, tok, loaded.store, prompt, max_new_tokens=16)
+            keep(loaded.model, loaded.store, history_after(prompt, first.ids, tok), first.cache)
+            again = generate(loaded.model, tok, loaded.store, prompt, max_new_tokens=16)
+        fresh = AutoModelForCausalLM.from_pretrained(deep, dtype=torch.float32).eval()
+        assert first.ids == _hf_greedy(fresh, prompt, 16, tok.eos_token_id)
+        assert again.stats.restored_tokens > 0 and again.ids == first.ids
+        with streamed.use(Version(7, "lora", adapter)) as loaded:
+            tuned = generate(loaded.model, tok, None, prompt, max_new_tokens=16)
+        assert tuned.ids == tuned_in_memory and tuned.ids != first.ids
+        telemetry = streamed._streamed["base"].engine.telemetry()
+        assert telemetry["streaming"] and telemetry["bytes_read"] > 0
+    finally:
+        streamed.close()
+    assert not (tmp_path / "versions" / "swap" / "base").exists() or not any(
+        (tmp_path / "versions" / "swap" / "base").iterdir())
