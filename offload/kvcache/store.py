@@ -74,9 +74,10 @@ class _Dest:
     first block has a uniform layout (one copy per block; each layer's k and v are
     contiguous views of it), else a (k, v) pair per layer. Later blocks must match it."""
 
-    def __init__(self, first: Block, tokens: int):
+    def __init__(self, first: Block, tokens: int, room: int = 0):
         s = first.stacked
         self.stacked = None
+        tokens += room  # capacity: the caller grows the cache into it in place
         if s is not None:
             self.stacked = torch.empty((*s.shape[:-2], tokens, s.shape[-1]), dtype=s.dtype)
             self.pairs = [(self.stacked[i, 0], self.stacked[i, 1]) for i in range(len(s))]
@@ -110,7 +111,7 @@ class _Dest:
     def result(self, done: int) -> Layers:
         if done == self.pairs[0][0].shape[-2]:
             return list(self.pairs)
-        return [(k[..., :done, :], v[..., :done, :]) for k, v in self.pairs]
+        return [(k[..., :done, :], v[..., :done, :]) for k, v in self.pairs]  # views: room
 
 
 class KVStore:
@@ -211,9 +212,14 @@ class KVStore:
             steps = self._walk(raw, len(raw) // ID_BYTES, covered_only=False)
         return steps[-1].pos + steps[-1].take if steps else 0
 
-    def load(self, token_ids: Sequence[int], max_tokens: int | None = None) -> tuple[int, Layers]:
+    def load(self, token_ids: Sequence[int], max_tokens: int | None = None,
+             room: int = 0) -> tuple[int, Layers]:
         """The cache of the longest stored prefix of `token_ids` (at most `max_tokens`):
-        (n, per-layer (k, v) with n tokens on dim -2, on the CPU). (0, []) on a miss."""
+        (n, per-layer (k, v) with n tokens on dim -2, on the CPU). (0, []) on a miss.
+
+        `room`: each k and v is then a view of the first n tokens of a buffer with `room`
+        more (its stride on dim -3 tells the capacity), so the caller can append the
+        next tokens in place instead of copying the whole cache to grow it."""
         raw = ids_bytes(token_ids)
         limit = len(raw) // ID_BYTES
         if max_tokens is not None:
@@ -223,14 +229,14 @@ class KVStore:
             self._check_open()
             self._stats["loads"] += 1
             steps = self._walk(raw, limit, covered_only=False) if limit else []
-            n, layers = self._read(steps, raw) if steps else (0, [])
+            n, layers = self._read(steps, raw, room) if steps else (0, [])
             if n:
                 self._stats["hits"] += 1
                 self._stats["tokens_restored"] += n
             self._stats["load_s"] += time.perf_counter() - t0
         return n, layers
 
-    def _read(self, steps: list[_Step], raw: bytes) -> tuple[int, Layers]:
+    def _read(self, steps: list[_Step], raw: bytes, room: int = 0) -> tuple[int, Layers]:
         """Read the blocks of `steps` (several in flight), check each, copy into one tensor
         per layer; stop at the first bad block."""
         total = steps[-1].pos + steps[-1].take
@@ -273,7 +279,7 @@ class KVStore:
                         block = parse(buf, p.crc if self.checksum else None)
                     self._check(block, st, raw)
                     if dest is None:
-                        dest = _Dest(block, total)
+                        dest = _Dest(block, total, room)
                     else:
                         dest.check(block)
                 except (BlockError, OffloadError, OSError) as exc:

@@ -9,6 +9,15 @@ tokens come out, only slower.
 Only caches whose every layer is a plain full-attention `DynamicLayer` ([batch, kv heads,
 tokens, head dim], what transformers 5 builds for Llama-shaped models such as SmolLM2) are
 restored and saved; others (sliding windows, linear attention) are prefilled every turn.
+Their layers become `GrowingLayer`s: the keys and values sit in a buffer with room to grow,
+so a new token is written in place instead of concatenated (DynamicLayer copies the whole
+cache for every token: 189 MB per generated token after 4k tokens of SmolLM2-135M), and a
+restored cache is read straight into such a buffer.
+
+Attention runs on the key-value heads (`TRANSFORMERS_SDPA_FORCE_GQA`, set by
+`attend_on_kv_heads`) instead of transformers copying every key and value to each of the
+query heads that share it (repeat_kv: three copies of the cache per layer per forward for
+SmolLM2); cold and restored turns alike, so they still give the same tokens.
 The namespace (`model_fingerprint`) covers the base weights, the adapter, the dtype and the
 library versions, so a cache is only ever restored into the model that made it.
 """
@@ -69,19 +78,89 @@ def _kv_shape(config) -> tuple[int, int]:
     return heads, int(head_dim)
 
 
+# Tokens a restored cache has room for beyond the turn's new ones: a reply's worth.
+REPLY_ROOM = 512
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers with room to grow:
+    update() writes the new tokens after the others, and only a full buffer is copied, into
+    one a quarter larger (amortized: each token copied a few times in all, not once per
+    step). The views hold the same values as DynamicLayer's concatenations."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None  # the buffers; keys/values: their first tokens
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Hold `keys` and `values` ([batch, heads, tokens, dim] views of buffers with room
+        after them, as KVStore.load(room=...) gives them) without copying."""
+        self.lazy_initialization(keys, values)
+        self._k, self._v = _whole(keys), _whole(values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, t = self.get_seq_length(), key_states.shape[-2]
+        if self._k is None or n + t > self._k.shape[-2]:
+            self._k, self._v = (self._grown(self.keys, key_states, n + t),
+                                self._grown(self.values, value_states, n + t))
+        self._k[..., n : n + t, :].copy_(key_states)
+        self._v[..., n : n + t, :].copy_(value_states)
+        self.keys, self.values = self._k[..., : n + t, :], self._v[..., : n + t, :]
+        return self.keys, self.values
+
+    @staticmethod
+    def _grown(old: torch.Tensor, new: torch.Tensor, need: int) -> torch.Tensor:
+        cap = need + need // 4 + 64
+        buf = torch.empty((*new.shape[:-2], cap, new.shape[-1]), dtype=new.dtype,
+                          device=new.device)
+        if old.numel():
+            buf[..., : old.shape[-2], :].copy_(old)
+        return buf
+
+    def reset(self) -> None:
+        super().reset()
+        self._k = self._v = None
+
+
+def _whole(view: torch.Tensor) -> torch.Tensor:
+    """The buffer a [..., tokens, dim] view with room after it was cut from (its tokens'
+    dimension as long as the stride of the dimension before says)."""
+    cap = view.stride(-3) // view.stride(-2)
+    return view.as_strided((*view.shape[:-2], cap, view.shape[-1]), view.stride())
+
+
+def attend_on_kv_heads() -> None:
+    """transformers' SDPA attention on the key-value heads (see the module docstring)."""
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+
+
+def new_cache(model) -> DynamicCache:
+    """An empty cache for `model`: GrowingLayers when every layer is a DynamicLayer."""
+    cache = DynamicCache(config=model.config)
+    layers = getattr(cache, "layers", [])
+    if layers and all(type(x) is DynamicLayer for x in layers):
+        cache.layers = [GrowingLayer() for _ in layers]
+    return cache
+
+
 def _storable(cache: DynamicCache, config) -> bool:
     layers = getattr(cache, "layers", [])
     n = getattr(config, "num_hidden_layers", None)
-    return bool(layers) and len(layers) == n and all(type(x) is DynamicLayer for x in layers)
+    return bool(layers) and len(layers) == n and all(
+        type(x) in (DynamicLayer, GrowingLayer) for x in layers)
 
 
 def _restore(model, store: KVStore, ids: list[int]) -> tuple[DynamicCache, int]:
     """A cache holding the longest stored prefix of `ids` (all but the last id at most)."""
     config = model.config.get_text_config(decoder=True)
-    cache = DynamicCache(config=model.config)
+    cache = new_cache(model)
     if not _storable(cache, config):
         return cache, 0
-    n, layers = store.load(ids, max_tokens=len(ids) - 1)
+    n, layers = store.load(ids, max_tokens=len(ids) - 1, room=len(ids) + REPLY_ROOM)
     if not n:
         return cache, 0
     device, dtype = _device_dtype(model)
@@ -92,7 +171,10 @@ def _restore(model, store: KVStore, ids: list[int]) -> tuple[DynamicCache, int]:
         log.warning("kv cache: the stored layout does not fit this model; prefilling it all")
         return cache, 0
     for layer, (k, v) in zip(cache.layers, layers, strict=True):
-        _fill(layer, k.unsqueeze(0).to(device), v.unsqueeze(0).to(device))
+        if isinstance(layer, GrowingLayer) and device.type == "cpu":
+            layer.adopt(k.unsqueeze(0), v.unsqueeze(0))
+        else:
+            _fill(layer, k.unsqueeze(0).to(device), v.unsqueeze(0).to(device))
     if cache.get_seq_length() != n:
         raise RuntimeError(f"the filled cache holds {cache.get_seq_length()} tokens, not {n}")
     return cache, n
@@ -114,13 +196,13 @@ def prefill(model, store: KVStore | None, token_ids: list[int]) -> Prefilled:
     ids = [int(t) for t in token_ids]
     if not ids:
         raise ValueError("prefill needs at least one token id")
-    cache, restored = DynamicCache(config=model.config), 0
+    cache, restored = new_cache(model), 0
     if store is not None:
         try:
             cache, restored = _restore(model, store, ids)
         except Exception:  # the cache is an optimisation: prefill it all
             log.exception("kv cache: restoring failed; prefilling the whole history")
-            cache, restored = DynamicCache(config=model.config), 0
+            cache, restored = new_cache(model), 0
     logits = extend(model, cache, ids[restored:])
     return Prefilled(cache, logits, restored, len(ids) - restored)
 
@@ -151,7 +233,7 @@ def save(store: KVStore | None, token_ids: list[int], cache: DynamicCache) -> in
         if len(token_ids) < n:
             raise ValueError(f"the cache covers {n} tokens, only {len(token_ids)} ids given")
         layers = getattr(cache, "layers", [])
-        if not layers or not all(type(x) is DynamicLayer for x in layers):
+        if not layers or not all(type(x) in (DynamicLayer, GrowingLayer) for x in layers):
             log.info("kv cache: %s is not saved (not full-attention DynamicLayers)",
                      type(cache).__name__)
             return 0

@@ -43,8 +43,10 @@ INTERRUPTED = ("The chat worker stopped while answering this (it was restarted o
 @cache
 def chat_models() -> ChatModels:
     """This worker's models (loaded on first use, kept while the worker lives)."""
+    from worker.chat.kv import attend_on_kv_heads
     from worker.training.base_model import resolve_base_model
 
+    attend_on_kv_heads()  # this process answers chats only: cold and restored turns alike
     base = Path(resolve_base_model(settings.base_model, settings.models_dir))
     cache_dir = settings.chat_cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -225,3 +225,49 @@ def test_smollm2_restored_turns_match_cold_prefill_and_survive_a_restart(smollm2
         assert pre.restored == len(history) + 16
         after, _ = greedy(model, pre, NEW_TOKENS)
     assert after == before
+
+
+@torch.inference_mode()
+def test_a_growing_cache_gives_dynamic_caches_logits_and_grows_in_place(tiny):
+    """new_cache's GrowingLayers against transformers' own DynamicCache: the same logits,
+    bit for bit, over a prefill and 40 decoded tokens; the keys are written into the
+    buffer's room (the same memory from one token to the next) until it is full."""
+    from transformers import DynamicCache
+
+    ids = random_ids(48, seed=11)
+    ours, theirs = kv.new_cache(tiny), DynamicCache(config=tiny.config)
+    assert all(type(x) is kv.GrowingLayer for x in ours.layers)
+    a = tiny(input_ids=torch.tensor([ids]), cache=ours, use_cache=True).logits[0, -1]
+    b = tiny(input_ids=torch.tensor([ids]), cache=theirs, use_cache=True).logits[0, -1]
+    assert torch.equal(a, b)
+    moves = 0
+    for _ in range(90):
+        before = ours.layers[0].keys.data_ptr()
+        tok = int(a.argmax())
+        a = tiny(input_ids=torch.tensor([[tok]]), cache=ours, use_cache=True).logits[0, -1]
+        b = tiny(input_ids=torch.tensor([[tok]]), cache=theirs, use_cache=True).logits[0, -1]
+        assert torch.equal(a, b)
+        moves += ours.layers[0].keys.data_ptr() != before
+    assert ours.get_seq_length() == theirs.get_seq_length() == 138
+    assert torch.equal(ours.layers[-1].keys, theirs.layers[-1].keys)
+    assert moves == 1  # 48 tokens had room up to 124 (a quarter and 64 more); then grown
+
+
+def test_a_restored_cache_is_used_where_it_was_read_and_grows_there(tiny, tmp_path):
+    """The store reads a restored cache into buffers with room for the turn and a reply
+    (KVStore.load(room=...)); the cache takes them as they are, the follow-up's tokens are
+    written after the restored ones, and the answer is the cold one."""
+    store = KVStore(tmp_path / "kv", "ns", block_tokens=16, cap_bytes=1 << 30)
+    ids = first_turn(tiny, store, random_ids(40, seed=12))
+    follow = ids + random_ids(6, seed=13)
+    n, layers = store.load(follow, max_tokens=len(follow) - 1, room=100)
+    assert n == len(ids) - 1 or n == len(ids)
+    k = layers[0][0]
+    assert k.shape[-2] == n and k.stride(-3) == (n + 100) * k.shape[-1]
+    warm = kv.prefill(tiny, store, follow)
+    layer = warm.cache.layers[0]
+    assert isinstance(layer, kv.GrowingLayer) and layer.keys.stride(-3) > layer.keys.shape[
+        -2] * layer.keys.shape[-1]  # a view of a buffer with room: nothing was concatenated
+    assert warm.restored == n
+    compare(tiny, store, follow, expect_restored=n)
+    store.close()
