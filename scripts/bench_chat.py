@@ -344,9 +344,8 @@ def report(r: dict) -> None:
           "checksum; repeat_kv: the restored turn with transformers' default attention for "
           "grouped key-value heads (every key and value copied to each query head; the chat "
           "attends on the key-value heads, worker/chat/kv.py); decode: a token after the "
-          "restored turn; "
-          "SDPA on the key-value heads, no repeat_kv of the restored cache); max |dlogit| and "
-          "same token over both restored runs against the cold one")
+          "restored turn; max |dlogit| and same token over both restored runs against the "
+          "cold one")
     t = r["target"]
     if t["speedup"] is not None:
         print(f"target: at {t['history_tokens']} tokens, restored >= {TARGET_SPEEDUP:.0f}x "
