@@ -82,6 +82,15 @@ def main(args: list[str]) -> None:
             if save_at is not None and s + 1 == save_at:
                 eng.save_checkpoint(Path(ckpt))
         weights = eng.trained_weights()
+        tied_equal = None
+        if mode == "tied":  # the two copies of the tied weight, after the last step
+            world = dist.get_world_size()
+            if eng.last:
+                dist.send(eng.module.lm.lm_head.weight.detach().contiguous(), dst=0)
+            if rank == 0:
+                other = torch.empty_like(eng.module.lm.model.embed_tokens.weight)
+                dist.recv(other, src=world - 1)
+                tied_equal = torch.equal(other, eng.module.lm.model.embed_tokens.weight)
         if eng.last and rank != 0:
             dist.send(logits.contiguous(), dst=0)
         if rank == 0:
@@ -89,7 +98,7 @@ def main(args: list[str]) -> None:
                 logits = torch.empty(rows, 16, 128)
                 dist.recv(logits, src=dist.get_world_size() - 1)
             torch.save({"losses": losses, "weights": weights, "logits": logits,
-                        "telemetry": eng.telemetry()}, out)
+                        "telemetry": eng.telemetry(), "tied_equal": tied_equal}, out)
         eng.close(restore_weights=False)
     finally:
         dist.destroy_process_group()
