@@ -6,7 +6,11 @@ to a DocTune model with a personal API token.
 Model ids: "<project>/v2" for a version, "<project>/base" for the base model, and plain
 "<project>" for the version in use, where <project> is the project's name in lower case
 with anything but letters, digits and dashes made a dash (and "-<id>" added when two
-projects would read the same)."""
+projects would read the same). Any of them with DOCUMENTS ("+documents") after it answers
+from the project's documents, as the chat page's "use my documents" switch does: passages
+found in them go into the prompt, and the documents drawn on come back in the response's
+"doctune" field (streamed: in the last chunk). /v1/models lists "<project>+documents" for
+each project, so a tool that only lets its user pick a model can reach it too."""
 
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from app.models import Project
 from app.services.documents import model_versions
 from app.services.jobs import current_version
 
+DOCUMENTS = "+documents"
+
 
 @dataclass(frozen=True)
 class ApiModel:
@@ -31,6 +37,25 @@ class ApiModel:
     project_id: int
     job_id: int | None  # None: the base model
     created: int
+    documents: bool = False  # answers from the project's documents
+
+
+def find_model(session: Session, wanted: str) -> ApiModel | None:
+    """The model of id `wanted`, with or without DOCUMENTS after it."""
+    plain = wanted.removesuffix(DOCUMENTS)
+    model = next((m for m in api_models(session) if m.id == plain and not m.documents), None)
+    if model is None or plain == wanted:
+        return model
+    return ApiModel(wanted, model.project_id, model.job_id, model.created, documents=True)
+
+
+def sources_field(sources: list[dict] | None) -> dict:
+    """DocTune's addition to a response: the documents the answer drew on (with DOCUMENTS),
+    each with where the project page previews it."""
+    if sources is None:
+        return {}
+    return {"doctune": {"sources": [
+        {"document_id": s["document_id"], "name": s["name"]} for s in sources]}}
 
 
 def _slug(name: str) -> str:
@@ -51,6 +76,7 @@ def api_models(session: Session) -> list[ApiModel]:
         in_use = current_version(project)
         if in_use is not None:
             out.append(ApiModel(slug, project.id, in_use.id, created))
+            out.append(ApiModel(slug + DOCUMENTS, project.id, in_use.id, created, True))
         for job_id, label in versions.items():
             finished = jobs[job_id].finished_at or jobs[job_id].created_at
             out.append(ApiModel(f"{slug}/{label}", project.id, job_id,

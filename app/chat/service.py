@@ -158,9 +158,11 @@ def delete_conversation(session: Session, conversation: Conversation) -> None:
 
 def ask_api(session: Session, project_id: int, job_id: int | None, user_id: int,
             messages: list[tuple[str, str]], temperature: float,
-            max_new_tokens: int | None) -> ChatMessage:
+            max_new_tokens: int | None, use_documents: bool = False) -> ChatMessage:
     """One /v1/chat/completions request: a conversation of its own (not listed on the
-    chat page) holding the request's messages, and its reply queued after the commit."""
+    chat page) holding the request's messages, and its reply queued after the commit.
+    `use_documents`: the last question is read with the passages of the project's
+    documents that match it, and the reply names the documents (as on the chat page)."""
     if job_id is not None:
         job = session.get(Job, job_id)
         if job is None or job.state != JobState.done:
@@ -168,14 +170,22 @@ def ask_api(session: Session, project_id: int, job_id: int | None, user_id: int,
     if not messages or messages[-1][0] != "user":
         raise InvalidInput("The last message must be the user's question.")
     conversation = Conversation(project_id=project_id, user_id=user_id, job_id=job_id,
-                                origin="api", token_ids=[], title=messages[-1][1][:200])
+                                origin="api", token_ids=[], title=messages[-1][1][:200],
+                                use_documents=use_documents)
     session.add(conversation)
-    for role, content in messages:
+    found = []
+    if use_documents:
+        found = passages.search(session, session.get(Project, project_id), messages[-1][1])
+    for n, (role, content) in enumerate(messages):
         if len(content) > 20 * MAX_QUESTION_CHARS:
             raise InvalidInput("A message is too long for this model.")
-        session.add(ChatMessage(conversation=conversation, role=role, content=content))
+        last = n == len(messages) - 1
+        session.add(ChatMessage(conversation=conversation, role=role, content=content,
+                                prompt_content=passages.prompt_with(content, found)
+                                if last and found else None))
     reply = ChatMessage(conversation=conversation, role="assistant", state=ReplyState.queued,
-                        temperature=temperature, max_new_tokens=max_new_tokens)
+                        temperature=temperature, max_new_tokens=max_new_tokens,
+                        sources=passages.sources(found) if use_documents else None)
     session.add(reply)
     session.flush()
     enqueue_after_commit(session, CHAT_TASK, reply.id)

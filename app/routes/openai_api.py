@@ -41,7 +41,7 @@ def list_models(session: SessionDep) -> dict:
 def _queue(user_id: int, wanted: shapes.ChatRequest) -> tuple[int, str]:
     """The reply's message id, committed (so its task is on its way)."""
     with session_scope() as session:
-        model = next((m for m in shapes.api_models(session) if m.id == wanted.model), None)
+        model = shapes.find_model(session, wanted.model)
         if model is None:
             raise NotFound(f"There is no model “{wanted.model[:100]}”; GET /v1/models lists "
                            "them.")
@@ -49,7 +49,8 @@ def _queue(user_id: int, wanted: shapes.ChatRequest) -> tuple[int, str]:
                     for m in wanted.messages]
         reply = chat.ask_api(session, model.project_id, model.job_id, user_id, messages,
                              wanted.temperature or 0.0,
-                             wanted.max_completion_tokens or wanted.max_tokens)
+                             wanted.max_completion_tokens or wanted.max_tokens,
+                             use_documents=model.documents)
         return reply.id, model.id
 
 
@@ -87,7 +88,8 @@ async def _stream(message_id: int, model: str, with_usage: bool) -> AsyncIterato
         elif event.kind == "done":
             finish = event.finish or "stop"
     message = await run_in_threadpool(_finished, message_id)
-    yield _sse(shapes.chunk(message_id, model, {}, finish, created=created))
+    yield _sse(shapes.chunk(message_id, model, {}, finish, created=created)
+               | shapes.sources_field(message.sources if message else None))
     if with_usage:
         yield _sse({**shapes.chunk(message_id, model, {}, created=created), "choices": [],
                     "usage": shapes.usage(message.stats if message else None)})
@@ -131,4 +133,4 @@ async def chat_completions(request: Request) -> Response:
         "choices": [{"index": 0, "finish_reason": shapes.finish_reason(finish),
                      "message": {"role": "assistant", "content": message.content}}],
         "usage": shapes.usage(message.stats),
-    })
+    } | shapes.sources_field(message.sources))

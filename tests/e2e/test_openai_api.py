@@ -34,9 +34,9 @@ def _token(role: str = "member") -> tuple[str, int]:
         return accounts.create_api_token(session, user, "tests"), user.id
 
 
-def _project_with_version(tiny_base_model) -> tuple[str, int]:
+def _project_with_version(tiny_base_model, name: str = "Sales Deck 2026!") -> tuple[str, int]:
     with session_scope() as session:
-        project = Project(name="Sales Deck 2026!")
+        project = Project(name=name)
         session.add(project)
         session.flush()
         job = Job(project=project, state=JobState.done, method="lora", params={}, sources=[])
@@ -118,3 +118,67 @@ def test_a_revoked_or_wrong_token_is_refused(live_server):
         with pytest.raises(openai.AuthenticationError) as refused:
             bad.models.list()
         assert "API token" in str(refused.value)
+
+
+def _add_documents(project_id: int, texts: dict[str, str]) -> dict[str, int]:
+    """Documents the reader has read: rows, and their text files where it leaves them."""
+    from app.contract.documents import text_file
+    from tests.app.factories import make_document
+
+    settings.documents_dir.mkdir(parents=True, exist_ok=True)
+    ids = {}
+    with session_scope() as session:
+        project = session.get(Project, project_id)
+        for name, body in texts.items():
+            doc = make_document(session, project, name)
+            text_file(settings.documents_dir, doc.stored_name).write_text(body, encoding="utf-8")
+            ids[name] = doc.id
+    return ids
+
+
+def test_a_model_id_with_documents_answers_from_them_and_names_them(live_server, chat_worker,
+                                                                   tiny_base_model):
+    """"<model>+documents": the chat page's "use my documents" through the API. The last
+    question is read with the matching passages before it (the model's greedy answer to
+    exactly that prompt comes back), and the documents drawn on come in the response's
+    "doctune" field, streamed in the last chunk; "<project>+documents" is listed."""
+    from app.chat.passages import prompt_with, search
+
+    slug, job_id = _project_with_version(tiny_base_model, "Office handbook")
+    with session_scope() as session:
+        project_id = session.get(Job, job_id).project_id
+    ids = _add_documents(project_id, {
+        "logistics.txt": "Orders over 500 units are signed off by Dana Ruiz, Head of Logistics.",
+        "kettle.txt": "The Model K7 kettle draws 2200 watts and holds 1.7 litres.",
+    })
+    token, _ = _token()
+    client = openai.OpenAI(base_url=f"{live_server}/v1", api_key=token, max_retries=0,
+                           timeout=120)
+    assert f"{slug}+documents" in {m.id for m in client.models.list()}
+
+    reply = client.chat.completions.create(
+        model=f"{slug}/v1+documents", messages=[{"role": "user", "content": QUESTION}])
+    sources = reply.model_extra["doctune"]["sources"]
+    assert sources[0] == {"document_id": ids["logistics.txt"], "name": "logistics.txt"}
+    with session_scope() as session:
+        found = search(session, session.get(Project, project_id), QUESTION)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_model)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_base_model, dtype=torch.float32),
+        settings.data_dir / "chat" / "versions" / f"v{job_id}").eval()
+    prompt = turn_ids(tokenizer, [], [{"role": "user", "content": prompt_with(QUESTION, found)}])
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW_TOKENS,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert reply.choices[0].message.content == tokenizer.decode(out[0, len(prompt):],
+                                                                skip_special_tokens=True)
+    plain = client.chat.completions.create(
+        model=f"{slug}/v1", messages=[{"role": "user", "content": QUESTION}])
+    assert "doctune" not in (plain.model_extra or {})  # without: no passages, no sources
+
+    chunks = list(client.chat.completions.create(
+        model=f"{slug}+documents", messages=[{"role": "user", "content": QUESTION}],
+        stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content
+    assert chunks[-1].model_extra["doctune"]["sources"] == sources
