@@ -4,12 +4,16 @@ it): who is asking, whether their role may do this, and the CSRF token of unsafe
 - A page or form: a signed-in session cookie. An `/api/` or `/v1/` request: the cookie, or
   `Authorization: Bearer <API token>` (no CSRF token: a token is not sent by a browser
   on its own). Anonymous: pages redirect to /signin, the API answers 401.
-- Roles: a viewer only reads (GET); a member does everything on projects; only an admin
-  reaches /admin. Everyone may manage their own account (/account) and sign out.
+- Roles: a viewer reads (GET) and asks the models questions (the chat and
+  /v1/chat/completions: conversations are each person's own, and asking changes no
+  project); a member does everything on projects; only an admin reaches /admin. Everyone
+  may manage their own account (/account) and sign out.
 - Unsafe methods with a cookie carry the session's CSRF token: the `X-CSRF-Token` header
   (htmx sends it from <body hx-headers>) or a `csrf_token` form field."""
 
 from __future__ import annotations
+
+import re
 
 from fastapi import HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
@@ -30,6 +34,9 @@ EXEMPT_PATHS = frozenset({"/signin", "/setup", "/healthz"})
 # Every signed-in role may use these, unsafe methods included.
 OWN_ACCOUNT_PREFIXES = ("/account", "/signout")
 ADMIN_PREFIX = "/admin"
+# What a viewer may send besides reading: their own conversations with the models (route
+# paths as declared: app/routes/chat.py, app/routes/openai_api.py).
+VIEWER_CHAT = re.compile(r"/projects/\{project_id\}/chat(/[a-z]+)?|/chat/.+|/v1/chat/completions")
 # Where an API token (Authorization: Bearer) stands in for a session: the JSON API and the
 # OpenAI-compatible API.
 TOKEN_PREFIXES = ("/api/", "/v1/")
@@ -85,7 +92,7 @@ async def door(request: Request) -> None:
                                      "old). Reload the page and try again.")
     if path.startswith(ADMIN_PREFIX) and visitor.role != Role.admin:
         raise HTTPException(403, "Only an admin can manage accounts.")
-    if path.startswith(OWN_ACCOUNT_PREFIXES) or not unsafe:
+    if path.startswith(OWN_ACCOUNT_PREFIXES) or not unsafe or VIEWER_CHAT.fullmatch(path):
         return
     if visitor.role == Role.viewer:
         raise HTTPException(403, "Your account can look but not change anything: ask an "

@@ -128,11 +128,20 @@ def test_a_conversation_is_its_owners_alone(env):
             r = admin.request(method, path, data={"question": "x"} if method == "POST" else None)
             assert r.status_code == 404, (method, path)
     assert not env.redis.exists(stop_key(reply.id))
-    with local_client(app, role="viewer") as viewer:  # a viewer reads, and chatting writes
-        r = viewer.post(f"/projects/{project_id}/chat", data={"model": "base"})
-        assert r.status_code == 403
+    with local_client(app, role="viewer") as viewer:  # a viewer asks too, in their own
+        r = viewer.post(f"/projects/{project_id}/chat",  # conversations, and sees no other
+                        data={"model": "base", "question": "Mine?"}, follow_redirects=False)
+        assert r.status_code == 303
+        assert "Q?" not in viewer.get(f"/projects/{project_id}/chat").text
+        assert viewer.post(f"/chat/{conversation_id}/delete").status_code == 404
+        # Asking changes no project: anything else a viewer sends is still refused.
+        assert viewer.post(f"/projects/{project_id}/jobs", data={}).status_code == 403
+        assert viewer.post(f"/projects/{project_id}/inbox", data={}).status_code == 403
     with session_scope() as session:
         assert session.get(Conversation, conversation_id) is not None
+        mine = session.scalars(select(Conversation).where(Conversation.title == "Mine?")).all()
+        assert len(mine) == 1 and mine[0].user_id != session.get(
+            Conversation, conversation_id).user_id
 
 
 def test_stop_sets_the_flag_the_worker_looks_at(client, env):
