@@ -2,14 +2,16 @@
 paged through its own offload engine; torch.distributed.pipelining's GPipe schedule moves
 the micro-batches' hidden states forward and their gradients back between the ranks.
 
-For a model whose training state does not fit one machine even with the SSD's help, or to
-add a second machine's compute to one job when data parallel would send too much (a full
+For a model whose training state does not fit one machine's memory (each stage pages only
+its own blocks, where data parallel has every rank page the whole model), or to add a
+second machine's compute to one job when data parallel would send too much (a full
 fine-tune's gradients are the model's size on every step; a stage boundary sends one hidden
 state per token).
 
-- `cut_stage`: stage s of n keeps blocks [s*L/n, (s+1)*L/n) of a Llama-shaped causal LM (or
-  a peft model around one): the first stage also the embeddings, the last the final norm
-  and the output layer. Tied input and output embeddings are then held by the first and the
+- `cut_stage`: stage s of n keeps a contiguous range of a Llama-shaped causal LM's blocks
+  (or a peft model's around one), the ranges cut so that the stages' work is even
+  (`stage_range`: the output layer counts as the blocks it equals in parameters); the first
+  stage also holds the embeddings, the last the final norm and the output layer. Tied input and output embeddings are then held by the first and the
   last stage; their gradients are summed between the two before the step (offload's
   tie_across_stages), so both copies stay equal.
 - `PipelineTrainEngine`: OffloadTrainEngine's contract (step, checkpoints, telemetry) for one
