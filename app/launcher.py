@@ -170,6 +170,9 @@ def supervise(start: Callable[[Procs], None], stopping: threading.Event | None =
     `stopping` is set first, for threads that must not act once the processes go."""
     procs: Procs = []
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C as well, explicitly: a process started in the background by a shell inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         start(procs)
         while True:
