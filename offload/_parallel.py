@@ -32,11 +32,11 @@ class DataParallelError(RuntimeError):
     """The ranks cannot train together (no process group, or their models differ)."""
 
 
-def world() -> tuple[int, int]:
+def world(mode: str = "data_parallel") -> tuple[int, int]:
     """(rank, world size) of the default process group; it must be initialized."""
     if not (dist.is_available() and dist.is_initialized()):
         raise DataParallelError(
-            "data_parallel needs torch.distributed's default process group "
+            f"{mode} needs torch.distributed's default process group "
             "(torch.distributed.init_process_group, e.g. under torchrun)."
         )
     return dist.get_rank(), dist.get_world_size()

@@ -139,7 +139,7 @@ class OffloadEngine:
             self.rank, self.world_size = world()
             check_same_model(named)
         elif self.config.pipeline_parallel:  # rank: this stage's place in the pipeline
-            self.rank, self.world_size = world()
+            self.rank, self.world_size = world("pipeline_parallel")
         else:
             self.rank, self.world_size = 0, 1
         self.device = resolve_device(self.config.device, outside_blocks(named, blocks))

@@ -51,11 +51,8 @@ def find_model(session: Session, wanted: str) -> ApiModel | None:
 
 def sources_field(sources: list[dict] | None) -> dict:
     """DocTune's addition to a response: the documents the answer drew on (with DOCUMENTS),
-    each with where the project page previews it."""
-    if sources is None:
-        return {}
-    return {"doctune": {"sources": [
-        {"document_id": s["document_id"], "name": s["name"]} for s in sources]}}
+    as the chat page lists them (document_id, name)."""
+    return {} if sources is None else {"doctune": {"sources": sources}}
 
 
 def _slug(name: str) -> str:

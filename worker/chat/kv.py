@@ -147,11 +147,14 @@ def new_cache(model) -> DynamicCache:
     return cache
 
 
+# The layers a cache is stored from and restored into: full attention, [b, h, tokens, d].
+_PLAIN_LAYERS = (DynamicLayer, GrowingLayer)
+
+
 def _storable(cache: DynamicCache, config) -> bool:
     layers = getattr(cache, "layers", [])
     n = getattr(config, "num_hidden_layers", None)
-    return bool(layers) and len(layers) == n and all(
-        type(x) in (DynamicLayer, GrowingLayer) for x in layers)
+    return bool(layers) and len(layers) == n and all(type(x) in _PLAIN_LAYERS for x in layers)
 
 
 def _restore(model, store: KVStore, ids: list[int]) -> tuple[DynamicCache, int]:
@@ -233,7 +236,7 @@ def save(store: KVStore | None, token_ids: list[int], cache: DynamicCache) -> in
         if len(token_ids) < n:
             raise ValueError(f"the cache covers {n} tokens, only {len(token_ids)} ids given")
         layers = getattr(cache, "layers", [])
-        if not layers or not all(type(x) in (DynamicLayer, GrowingLayer) for x in layers):
+        if not layers or not all(type(x) in _PLAIN_LAYERS for x in layers):
             log.info("kv cache: %s is not saved (not full-attention DynamicLayers)",
                      type(cache).__name__)
             return 0

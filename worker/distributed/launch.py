@@ -1,8 +1,9 @@
-"""Both sides of a run on several processes or machines (data parallel or a pipeline). The job's side (`train_on_ranks`, `run_ranks`): start
-this machine's ranks with torchrun and ask the free training workers of other machines to
-start theirs (TRAIN_RANKS_TASK on their node queue: `join_ranks`), pass rank 0's progress on,
-ask the ranks to stop when the job is cancelled, and when a rank or a machine is lost, say so
-and go on from the last checkpoint with the machines that are left.
+"""Both sides of a run on several processes or machines (data parallel or a pipeline). The
+job's side (`train_on_ranks`, `run_ranks`): start this machine's ranks with torchrun and ask
+the free training workers of other machines to start theirs (TRAIN_RANKS_TASK on their node
+queue: `join_ranks`), pass rank 0's progress on, ask the ranks to stop when the job is
+cancelled, and when a rank or a machine is lost, say so and go on from the last checkpoint
+with the machines that are left.
 
 torchrun (torch.distributed.run, the elastic agent) starts the ranks, runs the c10d
 rendezvous (hosted by the job's machine, at its address) and tears every rank down when one
@@ -172,18 +173,18 @@ def run_ranks(spec: RankSpec, examples: list[dict], nproc: int, hooks: Hooks,
 
 def _run_attempts(spec: RankSpec, examples: list[dict], nproc: int, hooks: Hooks,
                   peers: Callable[[], list[Peer]] | None, run_id: str) -> None:
+    if spec.parallel == "pipeline":  # every machine that joins runs as many ranks as this
+        spec.node_ranks = spec.node_ranks or nproc
     spec_path = spec.write(examples)
     last, stages = None, None
     for attempt in range(RELAUNCHES + 1):
         found = peers() if peers is not None else []
         here = nproc
         if spec.parallel == "pipeline":
-            spec.node_ranks = spec.node_ranks or nproc
             if stages is None:
                 stages = nproc + spec.node_ranks * len(found)
             found = found[: max(0, (stages - 1) // spec.node_ranks)]
             here = stages - spec.node_ranks * len(found)
-            spec_path = spec.write(examples)
         if attempt:
             hooks.on_phase("running", f"{_lost(last)}: continuing from the last checkpoint "
                            + (f"on {1 + len(found)} machines" if found else "on this machine"))

@@ -118,7 +118,6 @@ class PipelineTrainEngine(OffloadTrainEngine):
         self.first, self.last = module.first, module.last
         super().__init__(module, pipeline_parallel=True, blocks=list(module.lm.model.layers),
                          **options)
-        self.world_size = 1  # the batch is not shared out (OffloadTrainEngine.step)
         group = None
         if tied:  # the first stage's embeddings are the last one's output layer
             ends = [0, self.stages - 1]
@@ -234,11 +233,6 @@ class PipelineTrainEngine(OffloadTrainEngine):
                              f"not {self.stages}")
         self.steps_done = int(extra["steps_done"])
 
-    def telemetry(self) -> dict:
-        out = super().telemetry()
-        out["world_size"] = self.stages
-        return out
-
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's weights under the whole model's names."""
         return {self.names.get(k, k): v for k, v in super().model_state_dict().items()}
@@ -246,8 +240,8 @@ class PipelineTrainEngine(OffloadTrainEngine):
     def trained_weights(self) -> dict[str, torch.Tensor] | None:
         """The trainable weights of every stage, under the whole model's names, gathered on
         rank 0 (None on the others): what the job keeps (an adapter, or a full model)."""
-        state = super().model_state_dict()
-        mine = {self.names[n]: state[n]
+        state = self.model_state_dict()
+        mine = {self.names[n]: state[self.names[n]]
                 for n, p in self.module.named_parameters() if p.requires_grad}
         gathered: list = [None] * self.stages
         dist.gather_object(mine, gathered if self.stage == 0 else None, dst=0)

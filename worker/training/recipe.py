@@ -319,7 +319,7 @@ class FineTuneRecipe:
             init_weights=opts.init_weights,
             device=opts.device,
             host_budget_bytes=host_budget,
-            **({"data_parallel": True} if opts.data_parallel else {}),
+            data_parallel=opts.data_parallel,
             **common,
         )
         t = engine.telemetry()
