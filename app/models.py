@@ -244,6 +244,9 @@ class Worker(Base):
     # machines, worker/distributed/nodes.py reserves it); None, or a job no longer running:
     # free to lend.
     lending_to: Mapped[int | None] = mapped_column(Integer, default=None)
+    # The chat worker (its node name) whose model's second stage this worker holds (a chat
+    # on two machines, worker/chat/head.py reserves it); None: no chat. Jobs leave it be.
+    chat_stage_of: Mapped[str | None] = mapped_column(String(200), default=None)
 
 
 class Instance(Base):

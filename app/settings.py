@@ -94,6 +94,13 @@ class Settings(BaseSettings):
     # unset: a tenth of the free disk when the chat worker starts. Least recently used first
     # out.
     chat_cache_mb: int | None = Field(default=None, ge=0)
+    # Machines the chat answers on: "2" cuts the model in two, the second half on another
+    # machine's idle training worker (worker/chat/head.py); "auto" does when the base model
+    # would not fit this machine's memory (it would stream from the disk) and such a worker
+    # is free; "1": this machine only.
+    chat_nodes: Literal["auto", "1", "2"] = "auto"
+    # The second half's worker goes back to training jobs after this long without a question.
+    chat_stage_idle_s: float = Field(default=600.0, gt=0)
 
     # The watched folder: one sub-folder per project (a project may name another folder).
     inbox_dir: Path = Field(default=Path.home() / "DocTune" / "inbox")

@@ -50,6 +50,7 @@ def register(node: str, queues: list[str]) -> None:
         row.hardware, row.version = detect().model_dump(), doctune_version()
         row.started_at = row.last_seen_at = now
         row.stopped_at = None
+        row.chat_stage_of = None  # a chat stage it held before a restart is gone
         session.add(row)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from app.contract.tasks import (
     CHAT_FORGET_TASK,
+    CHAT_STAGE_TASK,
     CHAT_TASK,
     INGEST_TASK,
     PLAN_TASK,
@@ -37,12 +38,21 @@ def train_ranks(spec_path: str, endpoint: str, run_id: str, nnodes: int) -> int:
     return join_ranks(spec_path, endpoint, run_id, nnodes)
 
 
-@celery.task(name=CHAT_TASK)
-def chat_reply(message_id: int) -> str | None:
+@celery.task(name=CHAT_TASK, bind=True)
+def chat_reply(self, message_id: int) -> str | None:
     """Answer one chat question with the models this worker keeps loaded (worker/chat/)."""
     from worker.chat.reply import answer
 
-    return answer(message_id)
+    return answer(message_id, node=self.request.hostname)
+
+
+@celery.task(name=CHAT_STAGE_TASK, bind=True)
+def chat_stage(self, endpoint: str, head: str) -> int:
+    """The second stage of the chat worker `head`'s model, on this machine, until the chat
+    closes it or leaves it idle (worker/chat/tail.py); returns the stage's exit code."""
+    from worker.chat.tail import lend_stage
+
+    return lend_stage(endpoint, head, self.request.hostname)
 
 
 @celery.task(name=CHAT_FORGET_TASK)

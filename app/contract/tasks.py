@@ -28,6 +28,9 @@ PLAN_TASK = "doctune.plan_dataset"
 # (job id, rank spec path, rendezvous endpoint, run id, node count): this machine's training
 # ranks of a job that runs on several machines; sent to that machine's node_queue.
 TRAIN_RANKS_TASK = "doctune.train_ranks"
+# (the first stage's TCPStore host:port, the chat worker's node name): the second stage of a
+# chat on two machines (worker/chat/tail.py); sent to that machine's node_queue.
+CHAT_STAGE_TASK = "doctune.chat_stage"
 
 ROUTES = {INGEST_TASK: {"queue": INGEST_QUEUE}, TRAIN_TASK: {"queue": TRAIN_QUEUE},
           CHAT_TASK: {"queue": CHAT_QUEUE}, CHAT_FORGET_TASK: {"queue": CHAT_QUEUE},

@@ -157,13 +157,18 @@ def _storable(cache: DynamicCache, config) -> bool:
     return bool(layers) and len(layers) == n and all(type(x) in _PLAIN_LAYERS for x in layers)
 
 
-def _restore(model, store: KVStore, ids: list[int]) -> tuple[DynamicCache, int]:
-    """A cache holding the longest stored prefix of `ids` (all but the last id at most)."""
+def restore(model, store: KVStore, ids: list[int], most: int | None = None,
+            room: int | None = None) -> tuple[DynamicCache, int]:
+    """A cache holding the longest stored prefix of `ids`: `most` tokens at most (default
+    all but the last id), read into buffers with room for `room` tokens (default the ids
+    and a reply)."""
     config = model.config.get_text_config(decoder=True)
     cache = new_cache(model)
     if not _storable(cache, config):
         return cache, 0
-    n, layers = store.load(ids, max_tokens=len(ids) - 1, room=len(ids) + REPLY_ROOM)
+    most = len(ids) - 1 if most is None else most
+    n, layers = store.load(ids, max_tokens=most, room=len(ids) + REPLY_ROOM if room is None
+                           else room)
     if not n:
         return cache, 0
     device, dtype = _device_dtype(model)
@@ -202,7 +207,7 @@ def prefill(model, store: KVStore | None, token_ids: list[int]) -> Prefilled:
     cache, restored = new_cache(model), 0
     if store is not None:
         try:
-            cache, restored = _restore(model, store, ids)
+            cache, restored = restore(model, store, ids)
         except Exception:  # the cache is an optimisation: prefill it all
             log.exception("kv cache: restoring failed; prefilling the whole history")
             cache, restored = new_cache(model), 0
@@ -260,11 +265,14 @@ def _version(package: str) -> str:
 
 
 def model_fingerprint(base_model_dir: str | os.PathLike, adapter_dir: str | os.PathLike | None,
-                      dtype: torch.dtype | str) -> str:
+                      dtype: torch.dtype | str, part: str | None = None) -> str:
     """The store namespace of a model: its base weights and config, the adapter's weights
     and config (None: no adapter), the dtype, torch / transformers / peft versions and the
-    store's FORMAT_VERSION (fingerprint() adds it). Any change misses every cache."""
+    store's FORMAT_VERSION (fingerprint() adds it). Any change misses every cache. `part`:
+    the part of the model whose cache it is (a stage on one of two machines)."""
+    parts = {} if part is None else {"part": part}
     return fingerprint(
+        **parts,
         base=model_digest(base_model_dir),
         adapter=model_digest(adapter_dir) if adapter_dir is not None else None,
         dtype=str(dtype).removeprefix("torch."),

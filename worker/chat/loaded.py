@@ -17,6 +17,7 @@ Each generated token reads the whole model from the disk: slow, and the reply sa
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import zipfile
 from collections.abc import Iterator
@@ -28,8 +29,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from offload.kvcache import KVStore
 from worker.chat import kv
+from worker.chat.stages import STAGES
 from worker.errors import UserFacingError
 from worker.training.continued import unpack_adapter, unpack_model
+from worker.training.pipelined import causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class Loaded:
     store: KVStore | None
     max_positions: int
     streamed: bool = False  # its blocks are read from the disk for every token
+    fingerprint: str = ""  # the whole model's (kv.model_fingerprint), whatever runs where
 
 
 class _Streamed:
@@ -86,10 +90,15 @@ class ChatModels:
 
     def __init__(self, base_dir: Path, work_dir: Path, cache_dir: Path | None,
                  cache_bytes: int | None = None, stream: str = "never",
-                 budget_bytes: int | None = None) -> None:
+                 budget_bytes: int | None = None, stage: int | None = None, tail=None) -> None:
         """`stream` ("auto", "always", "never"): whether the base model streams from the
         disk (worker/training/streamed.py's should_stream); `budget_bytes`: the memory it
-        may then use (default: a share of what is free, as a job's engine takes)."""
+        may then use (default: a share of what is free, as a job's engine takes).
+
+        `stage`: this process holds only that stage of the model (worker/chat/stages.py),
+        its blocks in memory; `tail` (with stage 0): the second stage's machine
+        (worker/chat/head.py), to which every forward and cache operation is passed on."""
+        self.stage, self.tail = stage, tail
         self.base_dir = Path(base_dir)
         self.stream = stream
         self.budget_bytes = budget_bytes
@@ -116,6 +125,8 @@ class ChatModels:
     @property
     def streams(self) -> bool:
         """Whether the models here are read from the disk block by block."""
+        if self.stage is not None:  # a stage's blocks are loaded: that is what it is for
+            return False
         if self._streams is None:
             from worker.training.streamed import should_stream
 
@@ -123,7 +134,13 @@ class ChatModels:
         return self._streams
 
     def _open(self, name: str, folder: Path) -> torch.nn.Module:
-        """The model in `folder`, in memory, or streamed from the disk (see the module)."""
+        """The model in `folder`, in memory, or streamed from the disk (see the module); a
+        stage's part of it only, with `stage`."""
+        if self.stage is not None:
+            from worker.chat.stages import load_stage
+
+            log.info("chat: loading blocks %s of %s from %s", self.blocks, name, folder)
+            return load_stage(folder, self.stage)
         if not self.streams:
             return AutoModelForCausalLM.from_pretrained(folder, dtype=DTYPE).eval()
         from worker.training.resources import auto_budget_bytes
@@ -133,6 +150,19 @@ class ChatModels:
         streamed = _Streamed(folder, budget, self.work_dir / "swap" / name)
         self._streamed[name] = streamed
         return streamed.model
+
+    @functools.cached_property
+    def blocks(self) -> tuple[int, int]:
+        """The blocks [lo, hi) of this process's stage (of the base model's config)."""
+        from transformers import AutoConfig
+
+        from worker.chat.stages import stage_blocks
+
+        return stage_blocks(AutoConfig.from_pretrained(self.base_dir), self.stage)
+
+    def load_base(self) -> torch.nn.Module:
+        """The base model (this stage of it, with `stage`), loaded once."""
+        return self._load_base()
 
     def _load_base(self) -> torch.nn.Module:
         if self._base is None:
@@ -170,46 +200,68 @@ class ChatModels:
     def _positions(self, model: torch.nn.Module) -> int:
         return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
 
+    def _fingerprint(self, model_dir: Path, adapter_dir: Path | None) -> str:
+        """The store namespace of this process's part of the model: the whole model, or
+        a stage (whose cache holds its own blocks only)."""
+        part = None
+        if self.stage is not None:
+            part = f"stage {self.stage} of {STAGES}: blocks {self.blocks}"
+        return kv.model_fingerprint(model_dir, adapter_dir, DTYPE, part=part)
+
     @contextlib.contextmanager
     def use(self, version: Version) -> Iterator[Loaded]:
         """The model for `version`, its tokenizer and its cache store, for one reply."""
-        if version.job_id is not None and version.method == "full":
-            model, folder = self._full_model(version)
-            fp = kv.model_fingerprint(folder, None, DTYPE)
-            yield Loaded(model, self.tokenizer, self._store(fp), self._positions(model),
-                         self.streams)
-            return
-        base = self._load_base()
-        if version.job_id is None:
-            fp = kv.model_fingerprint(self.base_dir, None, DTYPE)
-            disabled = self._wrapped.disable_adapter() if self._wrapped is not None else (
-                contextlib.nullcontext())
-            with disabled:
-                model = self._wrapped if self._wrapped is not None else base
-                yield Loaded(model, self.tokenizer, self._store(fp), self._positions(base),
-                             self.streams)
-            return
-        folder = self._adapter(version)
-        self._wrapped.set_adapter(version.name)
-        fp = kv.model_fingerprint(self.base_dir, folder, DTYPE)
-        yield Loaded(self._wrapped, self.tokenizer, self._store(fp), self._positions(base),
-                     self.streams)
+        with contextlib.ExitStack() as stack:
+            adapter = None
+            if version.job_id is not None and version.method == "full":
+                model, folder = self._full_model(version)
+            else:
+                base, folder = self._load_base(), self.base_dir
+                if version.job_id is None:
+                    if self._wrapped is not None:  # the adapters off: the base model's answers
+                        stack.enter_context(self._wrapped.disable_adapter())
+                    model = self._wrapped if self._wrapped is not None else base
+                else:
+                    adapter = self._adapter(version)
+                    self._wrapped.set_adapter(version.name)
+                    model = self._wrapped
+            whole = kv.model_fingerprint(folder, adapter, DTYPE)
+            store = self._store(whole if self.stage is None
+                                else self._fingerprint(folder, adapter))
+            positions = self._positions(model)
+            if self.tail is not None:  # the first of two stages, the second on another machine
+                from worker.chat.head import PipelinedLM, StagedStore, StageVersion
+
+                staged = StageVersion(version.job_id, version.method,
+                                      str(version.artifact) if version.artifact else None, whole)
+                self.tail.use(staged)
+                model = PipelinedLM(causal_lm(model), self.tail)
+                store = StagedStore(store, self.tail, staged) if store is not None else None
+            yield Loaded(model, self.tokenizer, store, positions, self.streams, whole)
 
     def forget(self, version: Version, token_ids: list[int]) -> int:
         """Delete the cache of a deleted conversation with `version` (its files that no other
-        conversation's history shares); 0 when that version never chatted here."""
+        conversation's history shares); 0 when that version never chatted here. On two
+        machines, the second stage's files too."""
         if self.cache_dir is None:
             return 0
         folder = self.work_dir / version.name
         if version.job_id is None:
-            fp = kv.model_fingerprint(self.base_dir, None, DTYPE)
+            model_dir, adapter = self.base_dir, None
         elif not folder.is_dir():
             return 0
         elif version.method == "full":
-            fp = kv.model_fingerprint(folder, None, DTYPE)
+            model_dir, adapter = folder, None
         else:
-            fp = kv.model_fingerprint(self.base_dir, folder, DTYPE)
-        return self._store(fp).forget(token_ids)
+            model_dir, adapter = self.base_dir, folder
+        removed = self._store(self._fingerprint(model_dir, adapter)).forget(token_ids)
+        if self.tail is not None:
+            from worker.chat.head import StageVersion
+
+            whole = kv.model_fingerprint(model_dir, adapter, DTYPE)
+            removed += self.tail.forget(StageVersion(version.job_id, version.method, None,
+                                                     whole), token_ids)
+        return removed
 
     def _adapter(self, version: Version) -> Path:
         if version.name in self._adapters:
@@ -218,11 +270,16 @@ class ChatModels:
 
         folder = self._unpacked(version)
         log.info("chat: loading the adapter of %s", version.name)
+        mine = folder
+        if self.stage is not None:  # its matrices for this stage's blocks only
+            from worker.chat.stages import stage_adapter
+
+            mine = stage_adapter(folder, *self.blocks, self.work_dir / f"{version.name}-stage")
         if self._wrapped is None:
-            self._wrapped = PeftModel.from_pretrained(self._load_base(), folder,
+            self._wrapped = PeftModel.from_pretrained(self._load_base(), mine,
                                                       adapter_name=version.name).eval()
         else:
-            self._wrapped.load_adapter(folder, adapter_name=version.name)
+            self._wrapped.load_adapter(mine, adapter_name=version.name)
         self._adapters[version.name] = folder
         return folder
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from functools import cache
+import socket
 from pathlib import Path
 
 import redis
@@ -28,6 +28,7 @@ from app.settings import settings
 from worker.chat.generate import generate, keep
 from worker.chat.loaded import ChatModels, Version
 from worker.chat.prompt import history_after, turn_ids
+from worker.chat.stages import StageFailed, StageLost
 from worker.errors import UserFacingError, ran_out_of
 
 log = logging.getLogger(__name__)
@@ -38,11 +39,37 @@ STREAMED = ("Thinking… This model is larger than this machine's memory, so eve
             "the answer reads it from the disk: it comes slowly.")
 INTERRUPTED = ("The chat worker stopped while answering this (it was restarted or ran out "
                "of memory). Please ask again.")
+STAGE_LOST = ("The other machine that holds half of this model stopped answering ({}). "
+              "Please ask again: the chat goes on with the machines that are free then.")
+
+_models: ChatModels | None = None
 
 
-@cache
-def chat_models() -> ChatModels:
-    """This worker's models (loaded on first use, kept while the worker lives)."""
+def chat_models(node: str | None = None) -> ChatModels:
+    """This worker's models (loaded on first use, kept while the worker lives). `node`: this
+    chat worker's name, for a chat on two machines (DOCTUNE_CHAT_NODES): the second half is
+    asked whether it is still there first, and found again when not."""
+    global _models
+    if _models is not None and _models.tail is not None and not _models.tail.alive():
+        log.warning("chat: the second stage on %s is gone; finding the machines again",
+                    _models.tail.node)
+        drop_models()
+    if _models is None:
+        _models = _load_models(node or f"chat@{socket.gethostname()}")
+    return _models
+
+
+def drop_models() -> None:
+    """Forget the models (after the second stage was lost): the next reply loads them."""
+    global _models
+    if _models is not None:
+        if _models.tail is not None:
+            _models.tail.close()
+        _models.close()
+    _models = None
+
+
+def _load_models(me: str) -> ChatModels:
     from worker.chat.kv import attend_on_kv_heads
     from worker.training.base_model import resolve_base_model
 
@@ -51,9 +78,37 @@ def chat_models() -> ChatModels:
     cache_dir = settings.chat_cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     budget = settings.offload_budget_mb * 2**20 if settings.offload_budget_mb else None
+    tail = _second_stage(base, me)
     return ChatModels(base, settings.data_dir / "chat" / "versions", cache_dir,
                       cache_bytes=chat_cache_bytes(cache_dir),
-                      stream=settings.stream_base_model, budget_bytes=budget)
+                      stream=settings.stream_base_model, budget_bytes=budget,
+                      stage=0 if tail is not None else None, tail=tail)
+
+
+def _second_stage(base: Path, me: str):
+    """The second half of the model on another machine (worker/chat/head.py), when
+    DOCTUNE_CHAT_NODES asks for it ("auto": when the model would not fit this machine's
+    memory) and another machine's training worker is free; None: this machine alone."""
+    if settings.chat_nodes == "1":
+        return None
+    if settings.chat_nodes == "auto":
+        from worker.training.streamed import should_stream
+
+        if not should_stream(base, settings.stream_base_model):
+            return None
+    from worker.chat.head import connect
+    from worker.distributed.nodes import reserve_chat_peer
+
+    peer = reserve_chat_peer(me)
+    if peer is None:
+        log.info("chat: no other machine is free; answering on this one")
+        return None
+    try:
+        return connect(me, peer)
+    except StageLost:
+        log.exception("chat: the second stage on %s did not start; answering on this machine",
+                      peer)
+        return None
 
 
 def chat_cache_bytes(cache_dir: Path) -> int:
@@ -145,8 +200,9 @@ def _finish(message_id: int, **fields) -> None:
             message.conversation.updated_at = utcnow()
 
 
-def answer(message_id: int) -> str | None:
-    """Answer one queued question; returns the reply's final state."""
+def answer(message_id: int, node: str | None = None) -> str | None:
+    """Answer one queued question (`node`: this chat worker's name); returns the reply's
+    final state."""
     events = Events(message_id)
     try:
         claimed = _claim(message_id, events)
@@ -158,7 +214,7 @@ def answer(message_id: int) -> str | None:
         return None
     version, history, turns, temperature, most = claimed
     try:
-        models = chat_models()
+        models = chat_models(node)
         if not models.loaded(version):
             events.send(ChatEvent(kind="status", text="Loading the model…"))
         with models.use(version) as loaded:
@@ -187,6 +243,13 @@ def answer(message_id: int) -> str | None:
     except UserFacingError as exc:
         _finish(message_id, state=ReplyState.failed, error=str(exc))
         events.send(ChatEvent(kind="error", text=str(exc)))
+        return ReplyState.failed
+    except (StageLost, StageFailed) as exc:
+        log.exception("chat reply %s: the second stage failed", message_id)
+        drop_models()
+        text = STAGE_LOST.format(exc if isinstance(exc, StageFailed) else "the link broke")
+        _finish(message_id, state=ReplyState.failed, error=text)
+        events.send(ChatEvent(kind="error", text=text))
         return ReplyState.failed
     except Exception as exc:
         log.exception("chat reply %s failed", message_id)

@@ -64,10 +64,11 @@ def _running() -> Select:
 
 def free_peers(count: int, me: str, job_id: int | None = None) -> list[Peer]:
     """Up to `count` online training workers on other machines than `me`'s (a node name)
-    that run no job of their own and lend to no other running job, the most recently seen
-    first. With `job_id` they are reserved for that job (Worker.lending_to, one conditional
-    UPDATE each: of two jobs asking at once, each gets other workers) until release_peers;
-    the job's own reservations count as free to it, so asking again finds them again."""
+    that run no job of their own, lend to no other running job and hold no chat's second
+    stage (worker/chat/head.py), the most recently seen first. With `job_id` they are
+    reserved for that job (Worker.lending_to, one conditional UPDATE each: of two jobs
+    asking at once, each gets other workers) until release_peers; the job's own
+    reservations count as free to it, so asking again finds them again."""
     if count <= 0:
         return []
     seen_since = utcnow() - timedelta(seconds=ONLINE_WITHIN_S)
@@ -78,6 +79,7 @@ def free_peers(count: int, me: str, job_id: int | None = None) -> list[Peer]:
         ).order_by(Worker.last_seen_at.desc())).all()
         candidates = [w.node for w in workers
                       if TRAIN_QUEUE in (w.queues or []) and w.node not in busy
+                      and w.chat_stage_of is None  # half of a chat's model: not free
                       and node_host(w.node) != node_host(me)]
     found: list[Peer] = []
     for node in candidates:
@@ -91,10 +93,30 @@ def free_peers(count: int, me: str, job_id: int | None = None) -> list[Peer]:
 def _reserve(node: str, job_id: int) -> bool:
     with session_scope() as session:
         free = or_(Worker.lending_to.is_(None), Worker.lending_to == job_id,
-                   Worker.lending_to.not_in(_running()))
+                   Worker.lending_to.not_in(_running())) & Worker.chat_stage_of.is_(None)
         done = session.execute(update(Worker).where(Worker.node == node, free)
                                .values(lending_to=job_id))
         return done.rowcount == 1
+
+
+def reserve_chat_peer(me: str) -> str | None:
+    """A free training worker on another machine (as free_peers finds them) reserved to hold
+    the second stage of chat worker `me`'s model (Worker.chat_stage_of, one conditional
+    UPDATE); None when there is none."""
+    for peer in free_peers(8, me):
+        with session_scope() as session:
+            free = (or_(Worker.lending_to.is_(None), Worker.lending_to.not_in(_running()))
+                    & Worker.chat_stage_of.is_(None))
+            if session.execute(update(Worker).where(Worker.node == peer.node, free)
+                               .values(chat_stage_of=me)).rowcount == 1:
+                return peer.node
+    return None
+
+
+def release_chat_peer(node: str) -> None:
+    """Worker `node` holds no chat's stage any more (ended, or never started)."""
+    with session_scope() as session:
+        session.execute(update(Worker).where(Worker.node == node).values(chat_stage_of=None))
 
 
 @dataclass(frozen=True)

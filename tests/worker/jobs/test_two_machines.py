@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from celery import Celery
@@ -89,3 +90,70 @@ def test_a_job_trains_on_two_machines_over_the_link(tmp_path, parallel):
     other = nodes.addr_b if job.claimed_by == a.node else nodes.addr_a
     assert [p for p in logs.glob("ranks-*.log") if other in p.name], "the other machine ran no ranks"
     assert job.step == job.total_steps > 0
+
+
+def test_the_chat_answers_on_two_machines(tmp_path):
+    """DOCTUNE_CHAT_NODES=2: the chat worker holds the first half of the model and reserves
+    the other machine's idle training worker for the second; the reply is one machine's,
+    its hidden states and logits crossed the link, and the reservation ends with the chat."""
+    from app.accounts.service import create_user
+    from app.chat.models import ChatMessage, Conversation, ReplyState
+    from app.chat.service import ask
+    from app.contract.tasks import CHAT_TASK
+    from app.settings import settings
+    from worker.chat.generate import generate
+    from worker.chat.loaded import ChatModels, Version
+    from worker.chat.prompt import turn_ids
+
+    project_id = _ready_project(tmp_path, "chat on two machines")
+    question = "Where does NW-4471 ship from?"
+    with TwoNodes(LINKS[1]) as nodes:
+        redis, url = _redis_on(nodes.addr_a)
+        settings_ = {"REDIS_URL": url, "DOCTUNE_CHAT_NODES": "2"}
+        chat = WorkerProcess("chat", "chat", host="node-a", env=settings_)
+        b = WorkerProcess("train", "train", host="node-b", env=settings_,
+                          prefix=nodes.on_b([]))
+        try:
+            chat.start(), b.start()
+            wait_for(lambda: _online(chat.node, b.node), 60, "both workers in the registry")
+            with session_scope() as s:  # the other machine is the only free training worker
+                s.execute(update(Worker).where(Worker.node.not_in([chat.node, b.node]))
+                          .values(stopped_at=utcnow()))
+                s.info[INLINE] = []  # the reply's task goes to the two machines' Redis, below
+                user = create_user(s, f"asker{secrets.token_hex(4)}", "member")
+                s.flush()
+                conversation = Conversation(project_id=project_id, user_id=user.id)
+                s.add(conversation)
+                reply_id = ask(s, conversation, question).id
+            before = nodes.wire_bytes()
+            Celery(broker=url).send_task(CHAT_TASK, args=[reply_id], queue="chat")
+
+            def finished():
+                with session_scope() as s:
+                    m = s.get(ChatMessage, reply_id)
+                    return m.reply_state.finished and (m.state, m.token_ids, m.error)
+            state, ids, error = wait_for(finished, 180, "the reply on two machines")
+            crossed = nodes.wire_bytes() - before
+            lent_to = _lent(b.node)
+        finally:
+            chat.stop()
+            if b.proc and b.proc.poll() is None:  # the stage ends with its chat worker
+                wait_for(lambda: _lent(b.node) is None, 60, "the reservation ended")
+            b.stop()
+            redis.terminate()
+            redis.wait(timeout=10)
+    assert state == ReplyState.done, error
+    assert lent_to == chat.node  # the other machine held the chat's second stage
+    assert crossed > 10_000  # hidden states one way, logits the other
+    assert "Chat stage for chat@node-a" in b.log.read_text(errors="replace")
+    base = Path(settings.base_model)
+    one = ChatModels(base, tmp_path / "one", None)
+    with one.use(Version(None)) as loaded:
+        prompt = turn_ids(loaded.tokenizer, [], [{"role": "user", "content": question}])
+        expected = generate(loaded.model, loaded.tokenizer, None, prompt, max_new_tokens=len(ids))
+    assert ids == expected.ids  # one machine's tokens
+
+
+def _lent(node: str) -> str | None:
+    with session_scope() as s:
+        return s.query(Worker.chat_stage_of).filter_by(node=node).scalar()
