@@ -1,7 +1,8 @@
 """The admin's Workers page: every worker that registered (worker/registry.py), whether it is
 online, its machine's hardware, the jobs it is running (running or evaluating jobs it
 claimed, Job.claimed_by) and the one it lends its training ranks to (Worker.lending_to: a job
-another machine's worker runs on several machines)."""
+another machine's worker runs on several machines), or the chat worker whose model's second
+half it holds (Worker.chat_stage_of)."""
 
 from __future__ import annotations
 

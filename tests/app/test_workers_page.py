@@ -101,3 +101,17 @@ def test_a_worker_lending_its_ranks_shows_whose_job_it_trains(env):
     assert "nothing" not in box2
     box3 = _row(page, "train@box3")
     assert "nothing" in box3 and "Training ranks" not in box3
+
+
+def test_a_worker_holding_a_chats_second_half_says_for_whom(env):
+    """A chat on two machines reserves another machine's worker (Worker.chat_stage_of,
+    worker/chat/head.py) while its second stage runs there."""
+    with session_scope() as session:
+        make_worker(session, "chat@main", queues=["chat"])
+        make_worker(session, "train@box4", chat_stage_of="chat@main")
+    with local_client(create_app()) as admin:
+        page = html.unescape(admin.get("/admin/workers").text)
+    box4 = _row(page, "train@box4")
+    assert "Second half of the chat's model, for chat@main" in box4
+    assert "nothing" not in box4
+    assert "Second half" not in _row(page, "chat@main")

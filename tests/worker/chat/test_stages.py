@@ -37,14 +37,14 @@ def tiny4(tmp_path_factory, smol_tokenizer) -> Path:
 class TwoStages:
     """The first stage here (ChatModels with stage 0 and a Tail), the second in a child."""
 
-    def __init__(self, base: Path, folder: Path) -> None:
+    def __init__(self, base: Path, folder: Path, idle_s: float = 120) -> None:
         self.tail_data = folder / "tail-data"
         store, endpoint = listen("127.0.0.1")
         env = {**os.environ, "DOCTUNE_BASE_MODEL": str(base),
                "DOCTUNE_DATA_DIR": str(self.tail_data), "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "worker.chat.tail", endpoint, "--address", "127.0.0.1",
-             "--idle-s", "120"], cwd=ROOT, env=env)
+             "--idle-s", str(idle_s)], cwd=ROOT, env=env)
         self.tail = await_tail(store, "127.0.0.1", "child")
         self.models = ChatModels(base, folder / "versions", folder / "head-kv",
                                  cache_bytes=1 << 30, stage=0, tail=self.tail)
@@ -90,6 +90,35 @@ def test_two_stages_answer_as_one_machine(two, tiny4, tmp_path):
     assert _ask(two.models, Version(None), prompt).ids == expected_base.ids
     assert _ask(two.models, version, prompt).ids == expected_tuned.ids
     assert _ask(two.models, Version(None), prompt).ids == expected_base.ids  # adapter off again
+
+
+def test_a_full_version_answers_as_on_one_machine(two, tiny4, tmp_path):
+    """A full fine-tuned version: each stage loads its blocks from the version's own files."""
+    from transformers import AutoModelForCausalLM
+
+    from worker.export.writers import export_merged
+
+    tuned = save_tiny_model(tmp_path / "tuned", tokenizer_dir=tiny4, seed=12,
+                            num_hidden_layers=4)
+    tok = AutoTokenizer.from_pretrained(tiny4)
+    model = AutoModelForCausalLM.from_pretrained(tuned)
+    version = Version(8, "full", export_merged(model, tok, tmp_path / "merged.zip", "full"))
+    prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION}])
+    one = ChatModels(tiny4, tmp_path / "one-versions", None)
+    expected = _ask(one, version, prompt)
+    assert expected.ids != _ask(one, Version(None), prompt).ids
+    assert _ask(two.models, version, prompt).ids == expected.ids
+
+
+def test_an_idle_second_stage_ends_and_is_found_gone(tiny4, tmp_path):
+    """After its idle time the second stage exits (its memory and its machine's worker free
+    again); the first stage's check before a reply finds it gone."""
+    two = TwoStages(tiny4, tmp_path, idle_s=1)
+    try:
+        assert two.proc.wait(timeout=30) == 0
+        assert not two.tail.alive()
+    finally:
+        two.models.close()
 
 
 def test_a_follow_up_restores_both_stages_caches(two, tiny4):
