@@ -25,6 +25,11 @@ first token, time to the first token, PP's bubble (the first stage's share of ti
 waiting), and the batch from which PP outruns TP, per link. All three must give the same
 tokens (the table says).
 
+The chat (scripts/cluster_chat.py): SmolLM2-135M answering through the chat's own code on one
+machine and on two (worker/chat/head.py and tail.py, the second stage in node B): time to the
+first token after a history, cold and restored from the SSD, decoding tokens/s, bytes on the
+wire per token.
+
 Prints a table, then one JSON line (the last line). Needs root (network namespaces).
 
     .venv/bin/python -m scripts.bench_cluster --model-dir PATH [--steps N] [--methods lora,full]
@@ -32,9 +37,14 @@ Prints a table, then one JSON line (the last line). Needs root (network namespac
 
 from __future__ import annotations
 
+import os
+
+# Before torch starts its threads: see scripts/cluster_chat.py PASSIVE (the training ranks
+# run one thread each, so only the chat's two stages, which take turns, are concerned).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import json
-import os
 import random
 import shutil
 import subprocess
@@ -208,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--parallel", default="data,pipeline",
                         help="how two nodes train: data parallel, a pipeline, or both")
+    parser.add_argument("--chat-history", type=int, default=1024,
+                        help="the chat on one machine and on two: history tokens (0 to skip)")
+    parser.add_argument("--chat-decode", type=int, default=32)
+    parser.add_argument("--chat-repeats", type=int, default=3)
     args = parser.parse_args(argv)
     why = usable()
     if why:
@@ -244,6 +258,15 @@ def main(argv: list[str] | None = None) -> int:
                                      args.batches, scratch)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    if args.chat_history:
+        from scripts.cluster_chat import chat
+
+        scratch = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=args.dir))
+        try:
+            out["chat"] = chat(args.model_dir, scratch, args.chat_history, args.chat_decode,
+                               args.chat_repeats)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     print(json.dumps(out))
     return 0
 

@@ -209,8 +209,10 @@ class ChatModels:
         return kv.model_fingerprint(model_dir, adapter_dir, DTYPE, part=part)
 
     @contextlib.contextmanager
-    def use(self, version: Version) -> Iterator[Loaded]:
-        """The model for `version`, its tokenizer and its cache store, for one reply."""
+    def use(self, version: Version, greedy: bool = False) -> Iterator[Loaded]:
+        """The model for `version`, its tokenizer and its cache store, for one reply.
+        `greedy`: the reply takes the most likely token every time (temperature 0), so on
+        two machines only that token's logit crosses the link."""
         with contextlib.ExitStack() as stack:
             adapter = None
             if version.job_id is not None and version.method == "full":
@@ -235,7 +237,7 @@ class ChatModels:
                 staged = StageVersion(version.job_id, version.method,
                                       str(version.artifact) if version.artifact else None, whole)
                 self.tail.use(staged)
-                model = PipelinedLM(causal_lm(model), self.tail)
+                model = PipelinedLM(causal_lm(model), self.tail, greedy)
                 store = StagedStore(store, self.tail, staged) if store is not None else None
             yield Loaded(model, self.tokenizer, store, positions, self.streams, whole)
 

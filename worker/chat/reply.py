@@ -217,7 +217,7 @@ def answer(message_id: int, node: str | None = None) -> str | None:
         models = chat_models(node)
         if not models.loaded(version):
             events.send(ChatEvent(kind="status", text="Loading the model…"))
-        with models.use(version) as loaded:
+        with models.use(version, greedy=temperature <= 0) as loaded:
             prompt = turn_ids(loaded.tokenizer, history, turns)
             room = loaded.max_positions - len(prompt)
             if room < 16:

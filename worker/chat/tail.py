@@ -105,11 +105,15 @@ class Stage:
             self.cache, held = kv.restore(self.loaded.model, self.loaded.store, ids, most, room)
             link.send(ACK, held)
         elif op == FORWARD:
-            past, count = numbers[:2]
+            past, count, greedy = numbers[:3]
             hidden = link.recv((1, count, self.hidden_size), torch.float32)
             self._need()
             logits = self._forward(past, hidden)
-            link.send(ACK, logits.numel(), payload=logits)
+            if greedy:  # the most likely token and its logit only
+                best = int(torch.argmax(logits))
+                link.send(ACK, logits.numel(), best, payload=logits[best : best + 1])
+            else:
+                link.send(ACK, logits.numel(), 0, payload=logits)
         elif op == SAVE:
             ids = link.ids(numbers[0])
             self._need()

@@ -63,9 +63,11 @@ def two(tiny4, tmp_path):
         stages.close()
 
 
-def _ask(models: ChatModels, version: Version, prompt: list[int], n: int = 24):
-    with models.use(version) as loaded:
-        return generate(loaded.model, loaded.tokenizer, loaded.store, prompt, max_new_tokens=n)
+def _ask(models: ChatModels, version: Version, prompt: list[int], n: int = 24,
+         temperature: float = 0.0):
+    with models.use(version, greedy=temperature <= 0) as loaded:
+        return generate(loaded.model, loaded.tokenizer, loaded.store, prompt, max_new_tokens=n,
+                        temperature=temperature, seed=3)
 
 
 def test_the_cut_is_the_pipeline_trainings(tiny4):
@@ -90,6 +92,10 @@ def test_two_stages_answer_as_one_machine(two, tiny4, tmp_path):
     assert _ask(two.models, Version(None), prompt).ids == expected_base.ids
     assert _ask(two.models, version, prompt).ids == expected_tuned.ids
     assert _ask(two.models, Version(None), prompt).ids == expected_base.ids  # adapter off again
+    # Sampling needs every logit: the second stage sends them all, the same draws come out.
+    sampled = _ask(one, version, prompt, 40, temperature=1.5)
+    assert sampled.ids != expected_tuned.ids[: len(sampled.ids)]
+    assert _ask(two.models, version, prompt, 40, temperature=1.5).ids == sampled.ids
 
 
 def test_a_full_version_answers_as_on_one_machine(two, tiny4, tmp_path):
