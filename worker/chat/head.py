@@ -60,8 +60,8 @@ class StageVersion:
 class Tail:
     """The second stage, on another machine, over `link`."""
 
-    def __init__(self, link: Link, node: str, blocks: tuple[int, int]) -> None:
-        self.link, self.node, self.blocks = link, node, blocks
+    def __init__(self, link: Link, node: str, blocks: tuple[int, int], vocab: int) -> None:
+        self.link, self.node, self.blocks, self.vocab = link, node, blocks, vocab
         self.version: StageVersion | None = None
         self.cache_len = 0  # tokens its cache holds, as this side knows
 
@@ -94,6 +94,8 @@ class Tail:
         reply at temperature 0 looks at, 4 bytes on the link instead of the vocabulary's."""
         self.link.send(FORWARD, past, hidden.shape[1], int(greedy), payload=hidden.float())
         vocab, best = self.link.reply()[:2]
+        if vocab != self.vocab or not 0 <= best < vocab:
+            raise StageLost(f"the other stage answered {vocab} logits, not {self.vocab}")
         if greedy:
             logits = torch.full((vocab,), float("-inf"))
             logits[best] = self.link.recv((1,), torch.float32)[0]
@@ -131,7 +133,7 @@ def await_tail(store: dist.TCPStore, address: str, node: str) -> Tail:
     if header[0] != READY:
         raise StageLost(f"the other machine answered {header[0]} instead of being ready")
     log.info("chat: the second stage (blocks %d-%d) runs on %s", header[1], header[2], node)
-    return Tail(link, node, (header[1], header[2]))
+    return Tail(link, node, (header[1], header[2]), header[3])
 
 
 def connect(me: str, peer: str) -> Tail:

@@ -34,6 +34,9 @@ LOAD_TIMEOUT = timedelta(minutes=10)
 
 # Messages: a header of HEADER int64s (an operation, then its numbers), maybe one payload.
 HEADER = 8
+# What a request may announce: more is refused before anything is allocated for it.
+MAX_JSON_BYTES = 1 << 20
+MAX_TOKENS = 1 << 20
 PING, VERSION, LOAD, FORWARD, SAVE, FORGET, CLOSE, READY = range(1, 9)
 ACK, ERR = 100, 101
 
@@ -133,6 +136,12 @@ def stage_adapter(folder: Path, lo: int, hi: int, dest: Path) -> Path:
     return dest
 
 
+def bounded(count: int, most: int) -> None:
+    """A size the other side announced: out of bounds, the two sides cannot stay in step."""
+    if not 0 < count <= most:
+        raise StageLost(f"the other stage announced {count} items (at most {most})")
+
+
 class Link:
     """One end of the two stages' connection: messages in order, each a header and maybe a
     payload whose size the header gives. Any failure of the transport is StageLost."""
@@ -178,9 +187,11 @@ class Link:
         return out
 
     def recv_json(self, size: int):
+        bounded(size, MAX_JSON_BYTES)
         return json.loads(bytes(self.recv((size,), torch.uint8).numpy()).decode())
 
     def ids(self, count: int) -> list[int]:
+        bounded(count, MAX_TOKENS)
         return self.recv((count,), torch.long).tolist()
 
     def reply(self, timeout: timedelta | None = None) -> list[int]:

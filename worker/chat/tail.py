@@ -34,6 +34,7 @@ from worker.chat.stages import (
     FORWARD,
     LOAD,
     LOAD_TIMEOUT,
+    MAX_TOKENS,
     PING,
     READY,
     REPLY_TIMEOUT,
@@ -41,6 +42,7 @@ from worker.chat.stages import (
     VERSION,
     Link,
     StageLost,
+    bounded,
     run_blocks,
 )
 from worker.training.pipelined import causal_lm
@@ -53,8 +55,9 @@ STAGE = 1
 class Stage:
     """The second stage's state between requests: the version in use and its cache."""
 
-    def __init__(self, link: Link, models: ChatModels, hidden_size: int) -> None:
+    def __init__(self, link: Link, models: ChatModels, hidden_size: int, data_dir: Path) -> None:
         self.link, self.models, self.hidden_size = link, models, hidden_size
+        self.data_dir = data_dir.resolve()
         self.stack = contextlib.ExitStack()
         self.loaded: Loaded | None = None
         self.cache = None
@@ -62,7 +65,10 @@ class Stage:
     def _version(self, raw: dict) -> None:
         self.stack.close()
         self.loaded, self.cache = None, None
-        artifact = Path(raw["artifact"]) if raw["artifact"] else None
+        artifact = Path(raw["artifact"]).resolve() if raw["artifact"] else None
+        if artifact is not None and not artifact.is_relative_to(self.data_dir):
+            raise ValueError(f"{artifact} is not in this machine's DocTune data folder "
+                             f"({self.data_dir}): the machines must share it at the same path")
         loaded = self.stack.enter_context(
             self.models.use(Version(raw["job_id"], raw["method"], artifact)))
         if loaded.fingerprint != raw["fingerprint"]:
@@ -106,6 +112,7 @@ class Stage:
             link.send(ACK, held)
         elif op == FORWARD:
             past, count, greedy = numbers[:3]
+            bounded(count, MAX_TOKENS)
             hidden = link.recv((1, count, self.hidden_size), torch.float32)
             self._need()
             logits = self._forward(past, hidden)
@@ -164,8 +171,9 @@ def serve(endpoint: str, address: str, idle: timedelta) -> None:
     models = ChatModels(base, work, cache_dir, cache_bytes=chat_cache_bytes(cache_dir),
                         stage=STAGE)
     try:
-        stage = Stage(link, models, models.load_base().config.hidden_size)
-        link.send(READY, *models.blocks)
+        config = models.load_base().config
+        stage = Stage(link, models, config.hidden_size, settings.data_dir)
+        link.send(READY, *models.blocks, config.vocab_size)
         stage.serve(idle)
     finally:
         with contextlib.suppress(UnboundLocalError):

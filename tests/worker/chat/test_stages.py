@@ -39,6 +39,8 @@ class TwoStages:
 
     def __init__(self, base: Path, folder: Path, idle_s: float = 120) -> None:
         self.tail_data = folder / "tail-data"
+        self.jobs = self.tail_data / "jobs"  # versions' files: in the shared data folder
+        self.jobs.mkdir(parents=True)
         store, endpoint = listen("127.0.0.1")
         env = {**os.environ, "DOCTUNE_BASE_MODEL": str(base),
                "DOCTUNE_DATA_DIR": str(self.tail_data), "PYTHONPATH": str(ROOT)}
@@ -81,7 +83,7 @@ def test_the_cut_is_the_pipeline_trainings(tiny4):
 def test_two_stages_answer_as_one_machine(two, tiny4, tmp_path):
     """Base model and a LoRA version (its matrices cut to each stage's blocks, renumbered),
     switched back and forth: every reply is the one machine's tokens."""
-    adapter = save_tiny_adapter(tiny4, tmp_path / "adapter.zip", seed=5)
+    adapter = save_tiny_adapter(tiny4, two.jobs / "adapter.zip", seed=5)
     one = ChatModels(tiny4, tmp_path / "one-versions", None)
     tok = AutoTokenizer.from_pretrained(tiny4)
     prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION}])
@@ -108,7 +110,7 @@ def test_a_full_version_answers_as_on_one_machine(two, tiny4, tmp_path):
                             num_hidden_layers=4)
     tok = AutoTokenizer.from_pretrained(tiny4)
     model = AutoModelForCausalLM.from_pretrained(tuned)
-    version = Version(8, "full", export_merged(model, tok, tmp_path / "merged.zip", "full"))
+    version = Version(8, "full", export_merged(model, tok, two.jobs / "merged.zip", "full"))
     prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION}])
     one = ChatModels(tiny4, tmp_path / "one-versions", None)
     expected = _ask(one, version, prompt)
@@ -175,6 +177,17 @@ def test_another_base_model_on_the_other_machine_is_refused(tiny4, tmp_path, smo
             pass
     finally:
         two.close()
+
+
+def test_a_version_outside_the_data_folder_is_refused(two, tiny4, tmp_path):
+    """The second stage opens only files in its DocTune data folder, whatever it is told."""
+    adapter = save_tiny_adapter(tiny4, tmp_path / "elsewhere.zip", seed=5)
+    with pytest.raises(StageFailed, match="not in this machine's DocTune data folder"), \
+            two.models.use(Version(7, "lora", adapter)):
+        pass
+    tok = AutoTokenizer.from_pretrained(tiny4)  # and it goes on answering
+    prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION}])
+    assert _ask(two.models, Version(None), prompt, 4).ids
 
 
 def test_a_stage_adapter_keeps_its_blocks_renumbered(tiny4, tmp_path):
