@@ -95,3 +95,26 @@ def test_a_worker_running_a_job_of_its_own_is_not_lent(machines):
     with session_scope() as s:
         s.get(Job, two).claimed_by = names["box3"]
     assert _ours(names, free_peers(9, names["main"], one)) == {names["box2"], names["box4"]}
+
+
+def test_a_chats_second_half_reserves_a_machine_jobs_then_leave_be(machines):
+    """worker/chat/head.py's reservation (Worker.chat_stage_of): each call takes another free
+    machine, never one lent to a running job; jobs do not take a machine holding a chat's
+    second half, and take it again once it is released."""
+    from worker.distributed.nodes import release_chat_peer, reserve_chat_peer
+
+    names, (one, _two) = machines
+    ours = {names[k] for k in ("box2", "box3", "box4")}
+    lent = free_peers(1, names["main"], job_id=one)[0].node  # a job holds one machine
+    taken: list[str] = []
+    try:
+        while (node := reserve_chat_peer(f"chat@{names['main']}")) is not None:
+            taken.append(node)
+        assert lent not in taken and names["lost"] not in taken
+        assert ours - {lent} <= set(taken) and len(taken) == len(set(taken))
+        assert not _ours(names, free_peers(3, names["main"])) - {lent}
+        release_chat_peer(taken[0])
+        assert taken[0] in {p.node for p in free_peers(8, names["main"])}
+    finally:
+        for node in taken:
+            release_chat_peer(node)
