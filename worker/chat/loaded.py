@@ -151,14 +151,18 @@ class ChatModels:
         self._streamed[name] = streamed
         return streamed.model
 
-    @functools.cached_property
+    @property
     def blocks(self) -> tuple[int, int]:
         """The blocks [lo, hi) of this process's stage (of the base model's config)."""
+        return self._blocks_of(self.stage)
+
+    @functools.cache  # noqa: B019 - one ChatModels per worker process, kept for its life
+    def _blocks_of(self, stage: int) -> tuple[int, int]:
         from transformers import AutoConfig
 
         from worker.chat.stages import stage_blocks
 
-        return stage_blocks(AutoConfig.from_pretrained(self.base_dir), self.stage)
+        return stage_blocks(AutoConfig.from_pretrained(self.base_dir), stage)
 
     def load_base(self) -> torch.nn.Module:
         """The base model (this stage of it, with `stage`), loaded once."""
@@ -200,12 +204,14 @@ class ChatModels:
     def _positions(self, model: torch.nn.Module) -> int:
         return int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
 
-    def _fingerprint(self, model_dir: Path, adapter_dir: Path | None) -> str:
-        """The store namespace of this process's part of the model: the whole model, or
-        a stage (whose cache holds its own blocks only)."""
+    def _fingerprint(self, model_dir: Path, adapter_dir: Path | None,
+                     stage: int | None | str = "mine") -> str:
+        """The store namespace of a part of the model (default this process's): the whole
+        model (None), or a stage (whose cache holds its own blocks only)."""
+        stage = self.stage if stage == "mine" else stage
         part = None
-        if self.stage is not None:
-            part = f"stage {self.stage} of {STAGES}: blocks {self.blocks}"
+        if stage is not None:
+            part = f"stage {stage} of {STAGES}: blocks {self._blocks_of(stage)}"
         return kv.model_fingerprint(model_dir, adapter_dir, DTYPE, part=part)
 
     @contextlib.contextmanager
@@ -243,8 +249,9 @@ class ChatModels:
 
     def forget(self, version: Version, token_ids: list[int]) -> int:
         """Delete the cache of a deleted conversation with `version` (its files that no other
-        conversation's history shares); 0 when that version never chatted here. On two
-        machines, the second stage's files too."""
+        conversation's history shares); 0 when that version never chatted here. Both the
+        caches of the whole model and of the first of two stages (the chat may have run
+        either way), and on two machines the second stage's files too."""
         if self.cache_dir is None:
             return 0
         folder = self.work_dir / version.name
@@ -256,7 +263,9 @@ class ChatModels:
             model_dir, adapter = folder, None
         else:
             model_dir, adapter = self.base_dir, folder
-        removed = self._store(self._fingerprint(model_dir, adapter)).forget(token_ids)
+        parts = {self.stage} if self.stage not in (None, 0) else {None, 0}
+        removed = sum(self._store(self._fingerprint(model_dir, adapter, part)).forget(token_ids)
+                      for part in parts)
         if self.tail is not None:
             from worker.chat.head import StageVersion
 

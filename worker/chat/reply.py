@@ -69,7 +69,8 @@ def drop_models() -> None:
     _models = None
 
 
-def _load_models(me: str) -> ChatModels:
+def _load_models(me: str | None) -> ChatModels:
+    """This worker's models; `me` None: on this machine alone."""
     from worker.chat.kv import attend_on_kv_heads
     from worker.training.base_model import resolve_base_model
 
@@ -78,7 +79,7 @@ def _load_models(me: str) -> ChatModels:
     cache_dir = settings.chat_cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     budget = settings.offload_budget_mb * 2**20 if settings.offload_budget_mb else None
-    tail = _second_stage(base, me)
+    tail = _second_stage(base, me) if me is not None else None
     return ChatModels(base, settings.data_dir / "chat" / "versions", cache_dir,
                       cache_bytes=chat_cache_bytes(cache_dir),
                       stream=settings.stream_base_model, budget_bytes=budget,
@@ -270,4 +271,7 @@ def forget(job_id: int | None, token_ids: list[int]) -> int:
         with session_scope() as session:
             job = session.get(Job, job_id)
             method = job.method if job is not None else "lora"
-    return chat_models().forget(Version(job_id, method), [int(t) for t in token_ids])
+    # The models as they are; none loaded yet: without reaching for another machine (the
+    # second stage's files of an earlier run wait for its disk cap).
+    models = _models if _models is not None else _load_models(None)
+    return models.forget(Version(job_id, method), [int(t) for t in token_ids])

@@ -182,3 +182,26 @@ def test_a_model_larger_than_memory_chats_streamed_from_the_disk(deep, tmp_path)
         streamed.close()
     assert not (tmp_path / "versions" / "swap" / "base").exists() or not any(
         (tmp_path / "versions" / "swap" / "base").iterdir())
+
+
+def test_a_deleted_conversations_cache_goes_with_it(tiny_base_model):
+    """CHAT_FORGET_TASK's body (worker/chat/reply.forget), with no model loaded in this
+    process: it removes the conversation's cache files without loading or reaching for
+    another machine."""
+    from app.settings import settings
+    from worker.chat import reply
+
+    models = ChatModels(tiny_base_model, settings.data_dir / "chat" / "versions",
+                        settings.chat_cache_dir, cache_bytes=1 << 30)
+    tok = AutoTokenizer.from_pretrained(tiny_base_model)
+    prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION + " (deleted)"}])
+    with models.use(Version(None)) as loaded:
+        first = generate(loaded.model, tok, loaded.store, prompt, max_new_tokens=8)
+        history = history_after(prompt, first.ids, tok)
+        keep(loaded.model, loaded.store, history, first.cache)
+        assert loaded.store.match(history) == len(history)
+    assert reply._models is None
+    assert reply.forget(None, history) > 0
+    assert reply._models is None  # nothing kept loaded for a deletion
+    with models.use(Version(None)) as loaded:
+        assert loaded.store.match(history) == 0

@@ -153,7 +153,16 @@ def test_a_follow_up_restores_both_stages_caches(two, tiny4):
         f.unlink()
     with two.models.use(Version(None)) as loaded:
         third = generate(loaded.model, tok, loaded.store, prompt2, max_new_tokens=30)
+        history2 = history_after(prompt2, third.ids, tok)
+        keep(loaded.model, loaded.store, history2, third.cache)
     assert third.stats.restored_tokens < len(history) and third.ids == cold.ids
+
+    # The conversation deleted: both stages' files go.
+    head_dir = two.models.cache_dir
+    assert list(head_dir.rglob("*.safetensors")) and list(two.tail_data.rglob("*.safetensors"))
+    assert two.models.forget(Version(None), history2) > 0
+    assert not list(head_dir.rglob("*.safetensors"))
+    assert not list((two.tail_data / "kvcache").rglob("*.safetensors"))
 
 
 def test_a_lost_second_stage_fails_the_reply_in_its_own_words(two, tiny4):
