@@ -63,7 +63,6 @@ class Tail:
     def __init__(self, link: Link, node: str, blocks: tuple[int, int], vocab: int) -> None:
         self.link, self.node, self.blocks, self.vocab = link, node, blocks, vocab
         self.version: StageVersion | None = None
-        self.cache_len = 0  # tokens its cache holds, as this side knows
 
     def alive(self) -> bool:
         try:
@@ -84,8 +83,7 @@ class Tail:
         """The second stage's cache set to the longest stored prefix of `ids` it has, `most`
         tokens at most; the tokens it holds now."""
         self.link.send(LOAD, len(ids), most, room, payload=torch.tensor(ids, dtype=torch.long))
-        self.cache_len = self.link.reply()[0]
-        return self.cache_len
+        return self.link.reply()[0]
 
     def forward(self, hidden: torch.Tensor, past: int, greedy: bool = False) -> torch.Tensor:
         """The float32 logits [vocab] after `hidden` ([1, n, hidden]), on top of `past` tokens
@@ -101,7 +99,6 @@ class Tail:
             logits[best] = self.link.recv((1,), torch.float32)[0]
         else:
             logits = self.link.recv((vocab,), torch.float32)
-        self.cache_len = past + hidden.shape[1]
         return logits
 
     def save(self, ids: list[int]) -> int:
