@@ -1,6 +1,6 @@
 """DocTune's SSD offload engine: train models whose training state exceeds memory.
 
-A library of its own: it imports torch and the standard library only. The front door:
+A library of its own: it imports torch, xxhash and the standard library only. The front door:
 
     from offload import OffloadEngine, OffloadConfig, AdamWConfig
     engine = OffloadEngine(model, AdamWConfig(lr=1e-4, max_grad_norm=1.0),

@@ -281,6 +281,13 @@ class IOExecutor:
     def write(self, fd: int, offset: int, view: memoryview, path: str = "?") -> IORequest:
         return self.submit("w", [(fd, offset, view)], path)
 
+    def call(self, fn: Callable[[], int], path: str = "?") -> IORequest:
+        """Run `fn` (a read of its own that returns the bytes it read) on an I/O thread, in
+        turn with the reads; the request's error is what it raised."""
+        req = IORequest("r", path, 0, 1)
+        self._queue.put((self._READ, next(self._seq), req, -1, 0, fn))
+        return req
+
     def submit(
         self, op: str, extents: list[tuple[int, int, memoryview]], path: str = "?"
     ) -> IORequest:
@@ -307,16 +314,20 @@ class IOExecutor:
                 req._piece_done(None)
                 continue
             self.stats.begin(req.op)
-            error = None
+            error, nbytes = None, 0
             try:
-                if req.op == "r":
+                if callable(piece):
+                    nbytes = piece()
+                elif req.op == "r":
                     _pread_full(fd, piece, offset)
                 else:
                     _pwrite_full(fd, piece, offset)
+                if not callable(piece):
+                    nbytes = len(piece)
             except BaseException as exc:  # noqa: BLE001 (handed to the waiter, never lost)
                 error = exc
             finally:
-                self.stats.end(req.op, 0 if error else len(piece))
+                self.stats.end(req.op, 0 if error else nbytes)
             req._piece_done(error)
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import hashlib
 import sys
 from collections.abc import Iterable
 
-FORMAT_VERSION = "doctune-kv/1"  # the block file layout and key scheme; a change misses
+FORMAT_VERSION = "doctune-kv/2"  # the block file layout and key scheme; a change misses
 ID_BYTES = 8  # each token id is stored and hashed as int64, little-endian
 
 

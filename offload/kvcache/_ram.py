@@ -48,3 +48,6 @@ class RamTier:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._blocks

@@ -11,7 +11,7 @@ used whole; where none does, the child of the last block that shares the longest
 ids with the request is used up to there (a shorter saved tail, a regenerated answer, an
 edited message: reuse stops exactly where the ids part). Every block read is checked: its
 header names this namespace, key, parent and position, its ids equal the request's, its
-tensors have the chain's shapes, and its crc32 matches; anything else is a miss from that
+tensors have the chain's shapes, and each layer's checksum matches; anything else is a miss from that
 block on, logged, and the file (with the blocks after it) removed. Errors never reach the
 caller as exceptions from load() or save(): a miss, or a save skipped, with a log line.
 """
@@ -19,6 +19,7 @@ caller as exceptions from load() or save(): a miss, or a save skipped, with a lo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
@@ -29,7 +30,7 @@ from typing import Self
 
 import torch
 
-from .._io import OffloadDiskFullError, OffloadError
+from .._io import OffloadDiskFullError, OffloadError, aligned_empty
 from ._blockfile import (
     Block,
     BlockError,
@@ -39,11 +40,14 @@ from ._blockfile import (
     file_name,
     fsync_dir,
     parse,
+    read_layout,
+    stored_hashes,
     write_file,
 )
 from ._keys import ID_BYTES, block_key, common_tokens, ids_bytes, namespace_digest, root_key
 from ._ledger import NAMESPACE_RE, Entry, open_ledger, release_ledger
 from ._ram import RamTier
+from ._stream import Part, Streamed, capacity
 
 log = logging.getLogger("offload.kvcache")
 
@@ -54,6 +58,16 @@ MIN_SHARED_TOKENS = 16
 READ_AHEAD_BYTES = 64 << 20  # reads in flight ahead of the block being copied
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _same_layout(a: Part, b: Part) -> bool:
+    """Both blocks' layers all have one dtype, one shape but for the tokens (what one
+    stacked buffer can take)."""
+    def shapes(p: Part) -> set:
+        return {(t[0], t[1][:-2], t[1][-1]) for name, t in p.tensors.items()
+                if name[:2] in ("k.", "v.")}
+    sa = shapes(a)
+    return len(sa) == 1 and sa == shapes(b) and a.entry.head.layers == b.entry.head.layers
 
 
 def default_cap_bytes(directory: str | os.PathLike, share: float = DEFAULT_DISK_SHARE) -> int:
@@ -124,7 +138,7 @@ class KVStore:
         the store opened last in this process sets it for all.
     ram_bytes: a RAM tier of recently used block files in front of the SSD (0 = none:
         between calls the store holds no tensors, only its index: ~8 bytes per token).
-    o_direct: "auto" (probe the directory), True or False; checksum: crc32 per block.
+    o_direct: "auto" (probe the directory), True or False; checksum: xxh3 per layer and block.
     """
 
     def __init__(
@@ -155,7 +169,7 @@ class KVStore:
         self._ledger = open_ledger(self.directory, o_direct, io_threads)
         self._closed = False
         self._stats = {
-            "loads": 0, "hits": 0, "tokens_restored": 0, "blocks_from_disk": 0,
+            "loads": 0, "streamed": 0, "hits": 0, "tokens_restored": 0, "blocks_from_disk": 0,
             "blocks_from_ram": 0, "bytes_read": 0, "load_s": 0.0, "bad_blocks": 0,
             "saves": 0, "blocks_written": 0, "bytes_written": 0, "save_s": 0.0,
             "saves_cut_short": 0,
@@ -276,7 +290,7 @@ class KVStore:
                             raise p
                         in_flight -= st.entry.head.size
                         buf = p.wait()
-                        block = parse(buf, p.crc if self.checksum else None)
+                        block = parse(buf, p.hashes if self.checksum else None)
                     self._check(block, st, raw)
                     if dest is None:
                         dest = _Dest(block, total, room)
@@ -307,17 +321,92 @@ class KVStore:
         self._ledger.touch(used)
         return done, dest.result(done)
 
+    def stream(self, token_ids: Sequence[int], max_tokens: int | None = None,
+               room: int = 0) -> Streamed | None:
+        """Like load(), but returns once the blocks' headers are read and checked: the
+        layers arrive while the caller computes (_stream.py; wait(i) before using layer i,
+        close() when done). None when there is nothing to stream (a miss, a block in the
+        RAM tier, layers of different shapes or dtypes): load() then does it all."""
+        raw = ids_bytes(token_ids)
+        limit = len(raw) // ID_BYTES
+        if max_tokens is not None:
+            limit = max(0, min(limit, int(max_tokens)))
+        with self._ledger.lock:
+            self._check_open()
+            steps = self._walk(raw, limit, covered_only=False) if limit else []
+            if not steps or any(st.entry.head.key in self._ram for st in steps):
+                return None
+            parts: list[Part] = []
+            for st in steps:
+                try:
+                    part = self._open_part(st, raw)
+                except (BlockError, OffloadError, OSError) as exc:
+                    self._bad(st.entry, exc)
+                    break
+                parts.append(part)
+                if not _same_layout(parts[0], part):
+                    break
+            if not parts or not all(_same_layout(parts[0], p) for p in parts):
+                for p in parts:
+                    os.close(p.fd)
+                return None
+            self._stats["loads"] += 1
+            self._stats["streamed"] += 1
+            n = parts[-1].pos + parts[-1].take
+            dtype, shape, _, _ = parts[0].tensors["k.0"]
+            cap = capacity(n + room, shape[-1] * dtype.itemsize)
+            layers = parts[0].entry.head.layers
+            whole = (layers, 2, *shape[:-2], cap, shape[-1])
+            buf = aligned_empty(math.prod(whole) * dtype.itemsize)
+            stacked = buf.view(dtype).view(whole)
+            return Streamed(self._ledger.io, parts, stacked, n, self._streamed)
+
+    def _open_part(self, st: _Step, raw: bytes) -> Part:
+        """A block's file opened for a stream, its header read and checked like load's."""
+        e = st.entry
+        flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self._ledger.o_direct else 0)
+        fd = os.open(e.path, flags)
+        try:
+            size = os.fstat(fd).st_size
+            if size != e.head.size:
+                raise BlockError(f"the file has {size} bytes, the index says {e.head.size}")
+            meta, tensors, layers, _tokens, ids = read_layout(fd, size)
+            self._check_head(meta, ids, st, raw)
+            hashes = stored_hashes(meta, layers) if self.checksum else None
+            return Part(e, st.pos, st.take, fd, tensors, hashes)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _streamed(self, s: Streamed) -> None:
+        """A stream closed: the blocks it used are recent, or the bad one goes."""
+        with self._ledger.lock:
+            self._stats["load_s"] += s.read_s or 0.0
+            if s.error is not None:
+                part, exc = s.error
+                if self._ledger.entries.get(part.entry.head.key) is part.entry:
+                    self._bad(part.entry, exc)
+                return
+            self._stats["hits"] += 1
+            self._stats["tokens_restored"] += s.tokens
+            self._stats["blocks_from_disk"] += len(s.parts)
+            self._stats["bytes_read"] += s.bytes_read
+            self._ledger.touch([p.entry for p in s.parts])
+
     def _check(self, block: Block, st: _Step, raw: bytes) -> None:
         """The block is the one the index and the request expect."""
-        meta, head = block.meta, st.entry.head
+        self._check_head(block.meta, block.ids, st, raw)
+
+    def _check_head(self, meta: dict[str, str], ids, st: _Step, raw: bytes) -> None:
+        head = st.entry.head
         if (meta.get("namespace") != self.namespace or meta.get("key") != head.key.hex()
                 or meta.get("parent") != head.parent.hex() or meta.get("start") != str(st.pos)
                 or meta.get("tokens") != str(head.tokens)):
             raise BlockError("its header names another block")
-        if block.ids != head.ids:
+        if ids != head.ids:
             raise BlockError("its token ids differ from the ones it was indexed with")
         lo, hi = st.pos * ID_BYTES, (st.pos + st.take) * ID_BYTES
-        if block.ids[: hi - lo] != raw[lo:hi]:
+        if ids[: hi - lo] != raw[lo:hi]:
             raise BlockError("its token ids differ from the request's")
 
     def _bad(self, entry: Entry, exc: BaseException) -> None:

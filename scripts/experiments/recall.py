@@ -65,6 +65,8 @@ RECIPES: dict[str, dict] = {
     "default-qa5": _DEFAULT | {"generated_qa": 5},
     "default-qa4-e6": _DEFAULT | {"generated_qa": 4, "epochs": 6},
     "default-qa4-r32": _DEFAULT | {"generated_qa": 4, "lora_rank": 32},
+    # Full fine-tuning on the same examples (issue 13: against LoRA at the same budget).
+    "default-qa4-full": _DEFAULT | {"generated_qa": 4, "method": "full", "learning_rate": 5e-5},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }

@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from offload._safetensors import decode_header
 from offload.kvcache import FORMAT_VERSION, KVStore, _keys, default_cap_bytes, fingerprint
 from offload.kvcache._blockfile import encode
 from tests.offload._tmpfs import small_tmpfs
@@ -181,9 +182,16 @@ def _garbage_same_size(path, store, ids):
         f.write(os.urandom(size))
 
 
-def _flip_a_tensor_byte(path, store, ids):
-    at = 4096 + 8 * B + 10  # data starts at 4 KiB, after the ids: inside k.0
-    with open(path, "r+b") as f:  # the crc catches it
+def tensor_offset(path, name: str) -> int:
+    """Where tensor `name` starts in a block file (from its safetensors header)."""
+    with open(path, "rb") as f:
+        header, data_start = decode_header(f.read(1 << 16))
+    return data_start + header[name]["data_offsets"][0]
+
+
+def _flip_a_tensor_byte(path, store, ids, name: str = "k.0"):
+    at = tensor_offset(path, name) + 10
+    with open(path, "r+b") as f:  # the layer's checksum catches it
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
@@ -239,7 +247,7 @@ def test_a_bad_block_found_at_start_is_removed_with_its_descendants(tmp_path, ki
         n, got = store.load(ids)
         assert n == B and same_prefix(got, layers, B)
         assert block_files(tmp_path) == [os.path.basename(paths[0])]
-        # The crc is only read with the data: a flipped data byte is caught on load.
+        # The checksums are only read with the data: a flipped byte is caught on load.
         if kind != "one byte of tensor data flipped":
             assert store.stats()["removed_at_scan"] == 3
 

@@ -28,14 +28,16 @@ import importlib.metadata
 import inspect
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from offload.kvcache import KVStore, fingerprint
+from offload.kvcache import KVStore, Streamed, StreamFailed, fingerprint
 from worker.files import model_digest
 
 log = logging.getLogger(__name__)
@@ -92,15 +94,21 @@ class GrowingLayer(DynamicLayer):
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None  # the buffers; keys/values: their first tokens
 
-    def adopt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor,
+              ready: Callable[[], None] | None = None) -> None:
         """Hold `keys` and `values` ([batch, heads, tokens, dim] views of buffers with room
-        after them, as KVStore.load(room=...) gives them) without copying."""
+        after them, as KVStore.load(room=...) gives them) without copying. `ready`: called
+        before they are first used (a streamed restore's wait for this layer)."""
         self.lazy_initialization(keys, values)
         self._k, self._v = _whole(keys), _whole(values)
         self.keys, self.values = keys, values
+        self._pending = ready
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ready, self._pending = getattr(self, "_pending", None), None
+        if ready is not None:
+            ready()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, t = self.get_seq_length(), key_states.shape[-2]
@@ -196,22 +204,68 @@ def _fill(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None
     layer.keys, layer.values = keys.contiguous(), values.contiguous()
 
 
+def _restore_streamed(model, store: KVStore, ids: list[int]
+                      ) -> tuple[DynamicCache, int, Streamed | None]:
+    """restore(), with the layers read while the forward runs (KVStore.stream) where the
+    cache and the device allow: (cache, restored ids, the stream to close after the
+    forward, or None)."""
+    config = model.config.get_text_config(decoder=True)
+    cache = new_cache(model)
+    device, dtype = _device_dtype(model)
+    if (device.type != "cpu" or not _storable(cache, config)
+            or not all(type(x) is GrowingLayer for x in cache.layers)
+            or not isinstance(store, KVStore)):  # (a model on two machines: head.StagedStore)
+        return (*restore(model, store, ids), None)
+    s = store.stream(ids, max_tokens=len(ids) - 1, room=len(ids) + REPLY_ROOM)
+    if s is None:
+        return (*restore(model, store, ids), None)
+    want = _kv_shape(config)
+    try:
+        if len(s.layers) != len(cache.layers) or any(
+            t.dtype != dtype or tuple(t.shape) != (want[0], s.tokens, want[1])
+            for pair in s.layers for t in pair
+        ):
+            s.close()
+            log.warning("kv cache: the stored layout does not fit this model; prefilling it all")
+            return cache, 0, None
+        for i, (layer, (k, v)) in enumerate(zip(cache.layers, s.layers, strict=True)):
+            layer.adopt(k.unsqueeze(0), v.unsqueeze(0), ready=partial(s.wait, i))
+    except BaseException:
+        s.close()  # its reads write into the buffers: wait for them, close the files
+        raise
+    return cache, s.tokens, s
+
+
 @torch.inference_mode()
 def prefill(model, store: KVStore | None, token_ids: list[int]) -> Prefilled:
     """Run `token_ids` (the whole conversation so far) through `model` (plain or
-    peft-wrapped, in eval mode), restoring what `store` has of them first; `store` None:
-    a cold prefill of them all."""
+    peft-wrapped, in eval mode), restoring what `store` has of them first, layer by layer
+    under the forward where it can; `store` None: a cold prefill of them all."""
     ids = [int(t) for t in token_ids]
     if not ids:
         raise ValueError("prefill needs at least one token id")
-    cache, restored = new_cache(model), 0
+    cache, restored, stream = new_cache(model), 0, None
     if store is not None:
         try:
-            cache, restored = restore(model, store, ids)
+            cache, restored, stream = _restore_streamed(model, store, ids)
         except Exception:  # the cache is an optimisation: prefill it all
             log.exception("kv cache: restoring failed; prefilling the whole history")
             cache, restored = new_cache(model), 0
-    logits = extend(model, cache, ids[restored:])
+    try:
+        logits = extend(model, cache, ids[restored:])
+    except StreamFailed as exc:  # a layer came in bad: this forward's work is thrown away
+        log.warning("kv cache: %s; the block is removed and the turn starts again", exc)
+        stream.close()
+        stream = None
+        try:
+            cache, restored = restore(model, store, ids)  # the shorter prefix, read whole
+        except Exception:
+            log.exception("kv cache: restoring failed; prefilling the whole history")
+            cache, restored = new_cache(model), 0
+        logits = extend(model, cache, ids[restored:])
+    finally:
+        if stream is not None:
+            stream.close()
     return Prefilled(cache, logits, restored, len(ids) - restored)
 
 

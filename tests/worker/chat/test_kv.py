@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from offload._safetensors import decode_header
 from offload.kvcache import KVStore
 from worker import files
 from worker.chat import kv
@@ -76,6 +77,7 @@ def test_a_restored_turn_gives_the_cold_prefills_tokens(tiny, tmp_path):
         follow_up = ids + random_ids(12, 1)
         compare(tiny, store, follow_up, expect_restored=len(ids))  # 3 blocks + a partial
         assert store.stats()["namespace_files"] == 4
+        assert store.stats()["streamed"] == 1  # read layer by layer under the forward
 
 
 def test_after_a_restart_the_cache_hits_and_the_output_is_identical(tiny, tmp_path):
@@ -102,7 +104,22 @@ def _garbage(path):
         f.write(os.urandom(size))
 
 
-@pytest.mark.parametrize("spoil", [_truncate, _garbage], ids=["truncated", "garbage"])
+def _flip_a_middle_layer(path):
+    """One byte of the values of the middle layer: found by that layer's checksum while the
+    forward is already past the layers before it (a streamed restore)."""
+    with open(path, "rb") as f:
+        header, data_start = decode_header(f.read(1 << 16))
+    middle = int(header["__metadata__"]["layers"]) // 2
+    at = data_start + header[f"v.{middle}"]["data_offsets"][0] + 5
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("spoil", [_truncate, _garbage, _flip_a_middle_layer],
+                         ids=["truncated", "garbage", "a middle layer's byte"])
 def test_a_bad_block_file_is_refused_and_the_turn_is_still_answered_right(tiny, tmp_path, spoil):
     with KVStore(tmp_path, "tiny", block_tokens=32, cap_bytes=1 << 30) as store:
         ids = first_turn(tiny, store, random_ids(100, 4)) + random_ids(10, 5)
@@ -111,6 +128,7 @@ def test_a_bad_block_file_is_refused_and_the_turn_is_still_answered_right(tiny, 
         spoil(second)
         compare(tiny, store, ids, expect_restored=32)  # the first block only
         assert not second.exists()
+        assert store.stats()["bad_blocks"] == 1
 
 
 def test_a_changed_adapter_misses_and_lora_turns_restore_exactly(tiny, tiny_base_model,
