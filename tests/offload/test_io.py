@@ -124,3 +124,28 @@ def test_one_engine_per_swap_directory(tmp_path):
     first.close(remove=True)
     SwapStore(tmp_path, {"weight": [4096]}, o_direct=False).close(remove=True)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_call_runs_on_an_io_thread_counts_its_bytes_and_keeps_its_error():
+    io = IOExecutor(threads=2)
+    try:
+        seen: list[str] = []
+
+        def read() -> int:
+            seen.append(threading.current_thread().name)
+            return 4096
+
+        ok = io.call(read, "a")
+        ok.wait()
+        assert seen and seen[0].startswith("offload-io-")
+        assert io.stats.snapshot()["bytes_read"] == 4096
+
+        def broken() -> int:
+            raise OSError(5, "Input/output error")
+
+        bad = io.call(broken, "b")
+        with pytest.raises(OffloadError, match="I/O on b failed"):
+            bad.wait()
+        assert io.stats.snapshot()["bytes_read"] == 4096  # nothing counted for it
+    finally:
+        io.close()
