@@ -316,13 +316,10 @@ class IOExecutor:
             self.stats.begin(req.op)
             error, nbytes = None, 0
             try:
-                if callable(piece):
+                if callable(piece):  # a job of its own (call())
                     nbytes = piece()
-                elif req.op == "r":
-                    _pread_full(fd, piece, offset)
                 else:
-                    _pwrite_full(fd, piece, offset)
-                if not callable(piece):
+                    (_pread_full if req.op == "r" else _pwrite_full)(fd, piece, offset)
                     nbytes = len(piece)
             except BaseException as exc:  # noqa: BLE001 (handed to the waiter, never lost)
                 error = exc

@@ -119,7 +119,7 @@ class Streamed:
             return self.error is None
         self._closed = True
         for req in self._requests:
-            req._done.wait()  # a job never raises: its errors are in self.error
+            req.wait()  # a job never raises: its errors are in self.error
         for part in self.parts:
             try:
                 os.close(part.fd)

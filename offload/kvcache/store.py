@@ -60,14 +60,20 @@ READ_AHEAD_BYTES = 64 << 20  # reads in flight ahead of the block being copied
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _same_layout(a: Part, b: Part) -> bool:
-    """Both blocks' layers all have one dtype, one shape but for the tokens (what one
-    stacked buffer can take)."""
-    def shapes(p: Part) -> set:
-        return {(t[0], t[1][:-2], t[1][-1]) for name, t in p.tensors.items()
-                if name[:2] in ("k.", "v.")}
-    sa = shapes(a)
-    return len(sa) == 1 and sa == shapes(b) and a.entry.head.layers == b.entry.head.layers
+def _layout(p: Part) -> set:
+    """The (dtype, shape but for the tokens) of a block's keys and values: one element when
+    one stacked buffer can take them all."""
+    return {(t[0], t[1][:-2], t[1][-1]) for name, t in p.tensors.items()
+            if name[:2] in ("k.", "v.")}
+
+
+def _request(token_ids: Sequence[int], max_tokens: int | None) -> tuple[bytes, int]:
+    """A lookup's ids as int64 bytes, and how many of them it may restore."""
+    raw = ids_bytes(token_ids)
+    limit = len(raw) // ID_BYTES
+    if max_tokens is not None:
+        limit = max(0, min(limit, int(max_tokens)))
+    return raw, limit
 
 
 def default_cap_bytes(directory: str | os.PathLike, share: float = DEFAULT_DISK_SHARE) -> int:
@@ -234,10 +240,7 @@ class KVStore:
         `room`: each k and v is then a view of the first n tokens of a buffer with `room`
         more (its stride on dim -3 tells the capacity), so the caller can append the
         next tokens in place instead of copying the whole cache to grow it."""
-        raw = ids_bytes(token_ids)
-        limit = len(raw) // ID_BYTES
-        if max_tokens is not None:
-            limit = max(0, min(limit, int(max_tokens)))
+        raw, limit = _request(token_ids, max_tokens)
         t0 = time.perf_counter()
         with self._ledger.lock:
             self._check_open()
@@ -327,16 +330,15 @@ class KVStore:
         layers arrive while the caller computes (_stream.py; wait(i) before using layer i,
         close() when done). None when there is nothing to stream (a miss, a block in the
         RAM tier, layers of different shapes or dtypes): load() then does it all."""
-        raw = ids_bytes(token_ids)
-        limit = len(raw) // ID_BYTES
-        if max_tokens is not None:
-            limit = max(0, min(limit, int(max_tokens)))
+        raw, limit = _request(token_ids, max_tokens)
         with self._ledger.lock:
             self._check_open()
             steps = self._walk(raw, limit, covered_only=False) if limit else []
             if not steps or any(st.entry.head.key in self._ram for st in steps):
                 return None
             parts: list[Part] = []
+            mixed = False  # layers of other shapes or dtypes than the first block's
+            first: set = set()
             for st in steps:
                 try:
                     part = self._open_part(st, raw)
@@ -344,9 +346,12 @@ class KVStore:
                     self._bad(st.entry, exc)
                     break
                 parts.append(part)
-                if not _same_layout(parts[0], part):
+                first = first or _layout(part)
+                mixed = (len(first) != 1 or _layout(part) != first
+                         or part.entry.head.layers != parts[0].entry.head.layers)
+                if mixed:
                     break
-            if not parts or not all(_same_layout(parts[0], p) for p in parts):
+            if not parts or mixed:
                 for p in parts:
                     os.close(p.fd)
                 return None

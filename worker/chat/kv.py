@@ -244,28 +244,23 @@ def prefill(model, store: KVStore | None, token_ids: list[int]) -> Prefilled:
     ids = [int(t) for t in token_ids]
     if not ids:
         raise ValueError("prefill needs at least one token id")
-    cache, restored, stream = new_cache(model), 0, None
-    if store is not None:
+    while True:  # again after a bad layer: close() removed its block, so this ends
+        cache, restored, stream = new_cache(model), 0, None
+        if store is not None:
+            try:
+                cache, restored, stream = _restore_streamed(model, store, ids)
+            except Exception:  # the cache is an optimisation: prefill it all
+                log.exception("kv cache: restoring failed; prefilling the whole history")
+                cache, restored = new_cache(model), 0
         try:
-            cache, restored, stream = _restore_streamed(model, store, ids)
-        except Exception:  # the cache is an optimisation: prefill it all
-            log.exception("kv cache: restoring failed; prefilling the whole history")
-            cache, restored = new_cache(model), 0
-    try:
-        logits = extend(model, cache, ids[restored:])
-    except StreamFailed as exc:  # a layer came in bad: this forward's work is thrown away
-        log.warning("kv cache: %s; the block is removed and the turn starts again", exc)
-        stream.close()
-        stream = None
-        try:
-            cache, restored = restore(model, store, ids)  # the shorter prefix, read whole
-        except Exception:
-            log.exception("kv cache: restoring failed; prefilling the whole history")
-            cache, restored = new_cache(model), 0
-        logits = extend(model, cache, ids[restored:])
-    finally:
-        if stream is not None:
-            stream.close()
+            logits = extend(model, cache, ids[restored:])
+        except StreamFailed as exc:  # this forward's work is thrown away
+            log.warning("kv cache: %s; the block is removed and the turn starts again", exc)
+            continue
+        finally:
+            if stream is not None:
+                stream.close()
+        break
     return Prefilled(cache, logits, restored, len(ids) - restored)
 
 
