@@ -168,15 +168,15 @@ def _storable(cache: DynamicCache, config) -> bool:
 def restore(model, store: KVStore, ids: list[int], most: int | None = None,
             room: int | None = None) -> tuple[DynamicCache, int]:
     """A cache holding the longest stored prefix of `ids`: `most` tokens at most (default
-    all but the last id), read into buffers with room for `room` tokens (default the ids
-    and a reply)."""
+    all but the last id), read into buffers with room for `room` more tokens (default the
+    ids after `most` and a reply: a restore shorter than `most` grows its buffers once)."""
     config = model.config.get_text_config(decoder=True)
     cache = new_cache(model)
     if not _storable(cache, config):
         return cache, 0
     most = len(ids) - 1 if most is None else most
-    n, layers = store.load(ids, max_tokens=most, room=len(ids) + REPLY_ROOM if room is None
-                           else room)
+    n, layers = store.load(ids, max_tokens=most, room=len(ids) - most + REPLY_ROOM
+                           if room is None else room)
     if not n:
         return cache, 0
     device, dtype = _device_dtype(model)
@@ -216,7 +216,7 @@ def _restore_streamed(model, store: KVStore, ids: list[int]
             or not all(type(x) is GrowingLayer for x in cache.layers)
             or not isinstance(store, KVStore)):  # (a model on two machines: head.StagedStore)
         return (*restore(model, store, ids), None)
-    s = store.stream(ids, max_tokens=len(ids) - 1, room=len(ids) + REPLY_ROOM)
+    s = store.stream(ids, max_tokens=len(ids) - 1, room=1 + REPLY_ROOM)
     if s is None:
         return (*restore(model, store, ids), None)
     want = _kv_shape(config)
