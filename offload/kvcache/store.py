@@ -346,8 +346,9 @@ class KVStore:
                     self._bad(st.entry, exc)
                     break
                 parts.append(part)
-                first = first or _layout(part)
-                mixed = (len(first) != 1 or _layout(part) != first
+                layout = _layout(part)
+                first = first or layout
+                mixed = (len(first) != 1 or layout != first
                          or part.entry.head.layers != parts[0].entry.head.layers)
                 if mixed:
                     break

@@ -216,7 +216,8 @@ def _restore_streamed(model, store: KVStore, ids: list[int]
             or not all(type(x) is GrowingLayer for x in cache.layers)
             or not isinstance(store, KVStore)):  # (a model on two machines: head.StagedStore)
         return (*restore(model, store, ids), None)
-    s = store.stream(ids, max_tokens=len(ids) - 1, room=1 + REPLY_ROOM)
+    most = len(ids) - 1  # as restore()'s default, with the same room
+    s = store.stream(ids, max_tokens=most, room=len(ids) - most + REPLY_ROOM)
     if s is None:
         return (*restore(model, store, ids), None)
     want = _kv_shape(config)
