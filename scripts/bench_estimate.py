@@ -43,6 +43,7 @@ from pathlib import Path
 CORPORA = {"fixture": None, "office": 3_500, "large": 20_000}  # words (None: the fixture's)
 TARGET_ERROR, TARGET_ETA_ERROR, TARGET_SPEED = 0.25, 0.15, 0.9
 BARE_SAMPLE = 24  # batches of the job the bare loop runs
+TRACE_EVERY_S = 15.0  # how often the ETA is read after its 10% point
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -77,13 +78,17 @@ def _write_corpus(name: str, folder: Path) -> list[Path]:
 
 class _EtaWatch(threading.Thread):
     """Reads the job row while it runs: the time left the job page shows (its training ETA
-    plus the phases after it, planner.time_left) once 10% of training is done."""
+    plus the phases after it, planner.time_left) once 10% of training is done, and a trace
+    of it every TRACE_EVERY_S for the rest of training ((seconds since Train, step, time
+    left shown)), to see how the ETA moves and whether the steps' pace does."""
 
     def __init__(self, job_id_of) -> None:
         super().__init__(daemon=True)
         self.job_id_of = job_id_of
         self.at: float | None = None
         self.left_s: float | None = None
+        self.trace: list[tuple[float, int, float]] = []
+        self.started = time.time()
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -91,17 +96,34 @@ class _EtaWatch(threading.Thread):
         from app.models import Job
         from app.services import planner
 
-        while not self.done.wait(1.0):
+        while not self.done.wait(1.0 if self.at is None else TRACE_EVERY_S):
             job_id = self.job_id_of()
             if job_id is None:
                 continue
             with session_scope() as session:
                 job = session.get(Job, job_id)
-                if job is None or not job.total_steps or job.step < 0.1 * job.total_steps:
+                if job is None or not job.total_steps:
                     continue
-                self.left_s = planner.time_left(job, planner.history(session))
-                self.at = time.time()
-            return
+                left = planner.time_left(job, planner.history(session))
+                if left is not None:
+                    self.trace.append((round(time.time() - self.started, 1), job.step,
+                                       round(left, 1)))
+                if self.at is None and job.step >= 0.1 * job.total_steps:
+                    self.left_s, self.at = left, time.time()
+                if job.step >= job.total_steps:
+                    return
+
+
+def _eta_errors(trace: list[tuple[float, int, float]], total_steps: int,
+                real_s: float) -> dict[str, float]:
+    """The ETA's error once 10%, 25%, 50% and 75% of training is done: the first trace point
+    at or past each, its time left against the time really left then."""
+    out = {}
+    for share in (0.1, 0.25, 0.5, 0.75):
+        point = next((t for t in trace if t[1] >= share * total_steps), None)
+        if point is not None and real_s > point[0]:
+            out[f"{share:.0%}"] = round(point[2] / (real_s - point[0]) - 1, 3)
+    return out
 
 
 def _bare_loop(project_id: int, job_result: dict) -> dict:
@@ -188,8 +210,8 @@ def _one(corpus: str, method: str, root: Path) -> dict:
         return found
 
     watch = _EtaWatch(job_id_of)
+    started = watch.started = time.time()
     watch.start()
-    started = time.time()
     result = train_project(project_id, {"method": method})
     real_s = time.time() - started
     watch.done.set()
@@ -213,6 +235,8 @@ def _one(corpus: str, method: str, root: Path) -> dict:
         "eta_at_10pct_s": round(watch.left_s, 1) if watch.left_s is not None else None,
         "eta_real_s": round(eta_real, 1) if eta_real is not None else None,
         "eta_error": (watch.left_s / eta_real - 1) if watch.left_s and eta_real else None,
+        "eta_errors": _eta_errors(watch.trace, metrics["steps"], real_s),
+        "eta_trace": watch.trace,
         "job_tokens_per_s": metrics["tokens_per_s"], "bare": bare,
         "speed_ratio": metrics["tokens_per_s"] / bare["tokens_per_s"] if bare else None,
     }
@@ -278,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
               f"| {_mins(r['eta_real_s'])} min | {_pct(r['eta_error'])} "
               f"| {r['job_tokens_per_s']:.0f} | {bare.get('tokens_per_s', 0):.0f} "
               f"| {r['speed_ratio']:.2f} |")
+    for r in rows:
+        print(f"ETA error, {r['corpus']} / {r['method']}: " + ", ".join(
+            f"at {k} {_pct(v)}" for k, v in r["eta_errors"].items()))
     summary = {
         "bench": "estimate",
         "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -394,16 +394,21 @@ def estimate_record(project: Project, corpus: Corpus,
     est = estimate(corpus, params, load_profile(), dataset_plan(project, corpus, params), cached)
     if est.train_s is None:
         return None
-    return {"train_s": round(est.train_s, 3), "steps": est.steps, "counted": est.counted}
+    phases = est.phases or {}
+    return {"train_s": round(est.train_s, 3), "steps": est.steps, "counted": est.counted,
+            "after_s": round(phases.get("after", 0.0) + phases.get("export", 0.0), 3)}
 
 
 def time_left(job: Job, history: list[Finished]) -> float | None:
     """A running job's wait to its score card: its training's own ETA (from its measured
     steps) plus the scoring after training and the exports, as the last finished jobs took
-    them (their mean; nothing is added before any job has finished)."""
+    them (their mean), or before any job has finished here as the job's estimate put them."""
     if job.eta_s is None:
         return None
     recent = [h for h in history if h.method == job.method][:HISTORY_JOBS] or history[
         :HISTORY_JOBS]
-    rest = sum(h.after_s for h in recent) / len(recent) if recent else 0.0
+    if recent:
+        rest = sum(h.after_s for h in recent) / len(recent)
+    else:
+        rest = float((job.estimate or {}).get("after_s") or 0.0)
     return float(job.eta_s) + rest

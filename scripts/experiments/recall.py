@@ -67,6 +67,8 @@ RECIPES: dict[str, dict] = {
     "default-qa4-r32": _DEFAULT | {"generated_qa": 4, "lora_rank": 32},
     # Full fine-tuning on the same examples (issue 13: against LoRA at the same budget).
     "default-qa4-full": _DEFAULT | {"generated_qa": 4, "method": "full", "learning_rate": 5e-5},
+    "default-qa4-full-1e-4": _DEFAULT | {"generated_qa": 4, "method": "full",
+                                         "learning_rate": 1e-4},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }

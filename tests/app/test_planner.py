@@ -291,6 +291,10 @@ def test_a_queued_job_keeps_the_estimate_and_a_finished_one_teaches_the_next(
         assert job.estimate["train_s"] > 0 and job.estimate["steps"] > 0
         estimated = job.estimate["train_s"]
         before = planner.estimates_for(Corpus(n_words=2_000, n_qa=0), PROFILE, load=False)
+        # What follows training, for the ETA before any job has finished on this machine.
+        phases = before["lora"].phases
+        assert job.estimate["after_s"] == pytest.approx(phases["after"] + phases["export"],
+                                                        abs=1e-3)
         # The job ran: its training took twice the estimate, scoring and exports 120 s.
         job.state = JobState.done
         job.metrics = {"phase_s": {"before": 50.0, "train": 2 * estimated, "after": 50.0,
@@ -322,6 +326,22 @@ def test_time_left_adds_what_follows_training_as_the_last_jobs_took_it(client, e
     page = client.get(f"/jobs/{job_id}").text
     assert "about 11 min" in page and "(training about 3 min" not in page
     assert "(training 3 min, then scoring and downloads)" in page
+
+
+def test_time_left_before_any_job_finished_adds_what_the_estimate_put_after_training(env):
+    from app.models import Job, JobState
+
+    from .factories import make_job
+
+    with session_scope() as session:
+        project = make_project(session, "First job")
+        running = make_job(session, project, JobState.running,
+                           estimate={"train_s": 100.0, "after_s": 90.0})  # its own ETA: 200 s
+        older = make_job(session, project, JobState.running, estimate={"train_s": 100.0})
+        assert planner.history(session) == []
+        assert planner.time_left(session.get(Job, running.id), []) == pytest.approx(290.0)
+        # A job queued before the estimate kept its later phases: its own ETA alone.
+        assert planner.time_left(session.get(Job, older.id), []) == pytest.approx(200.0)
 
 
 # The whole wait: scoring before and after from the profile's timed generation ------------
