@@ -54,6 +54,19 @@ def _running(proc: psutil.Process) -> bool:
         return False
 
 
+def _live_children(pid: int) -> tuple[list[psutil.Process], list[str]]:
+    """The launcher's live descendants and their command lines; one that exited and is
+    not yet reaped (the stand-in browser, once it has written its record) is left out."""
+    children, commands = [], []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            commands.append(" ".join(p.cmdline()))
+        except psutil.Error:  # a zombie, or gone meanwhile
+            continue
+        children.append(p)
+    return children, commands
+
+
 def _wait(predicate, timeout_s: float, what: str, output: list[str]):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -115,8 +128,7 @@ def test_doctune_up_prints_and_opens_a_setup_link_that_makes_the_admin(
         opened = _wait(lambda: record.exists() and record.read_text(), 60, "browser", output)
         assert json.loads(opened) == {"url": link, "listening": True}  # once it answered
 
-        children = psutil.Process(launcher.pid).children(recursive=True)
-        commands = [" ".join(p.cmdline()) for p in children]
+        children, commands = _live_children(launcher.pid)
         for part in ("redis-server", "-Q ingest", "-Q train", "app.watcher", "uvicorn"):
             assert any(part in c for c in commands), (part, commands)
 
