@@ -65,9 +65,10 @@ class Settings(BaseSettings):
     # Whether a job streams the base model's blocks from the disk instead of loading it:
     # "auto" does when its float32 weights take more than half of the free memory.
     stream_base_model: Literal["auto", "always", "never"] = "auto"
-    # Where training jobs compute: "cpu"; "cuda" (or "auto": the GPU when there is one) puts
-    # the offload engine's blocks on the GPU. Not yet run on a GPU: scripts/cuda_check.sh.
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    # Where training jobs compute: "auto" (the GPU when PyTorch sees one, else the CPU),
+    # "cpu", or "cuda" (refused without a GPU). On a GPU the offload engine's blocks compute
+    # there, its page pool in pinned host memory (checked on an H200: scripts/cuda_check.sh).
+    device: Literal["cpu", "cuda", "auto"] = "auto"
     # Data-parallel training processes per job on this machine (worker/distributed/): one
     # per GPU, or a few on a many-core CPU; each holds the model and a share of the memory
     # budget. 1: the job trains in the worker's own process.

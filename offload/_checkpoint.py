@@ -274,7 +274,8 @@ def _write_resident(
     def write_resident(fd: int) -> None:
         for _, _, t in tensors:
             if t.numel():  # .cpu(): on the CUDA path resident tensors are on the GPU
-                _write_all(fd, byte_view(t.detach().cpu().contiguous()))
+                host = t.detach().cpu().contiguous()  # held while its bytes are written
+                _write_all(fd, byte_view(host))
 
     _write_file(rpath, write_resident)
     return {"name": rname, "bytes": off}, entries

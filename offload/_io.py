@@ -83,11 +83,13 @@ def aligned_empty(nbytes: int, align: int = ALIGN, pin_memory: bool = False) -> 
 def byte_view(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (for preadv/pwritev).
 
-    The view does not keep `t` alive: the caller holds `t` for as long as it uses it."""
+    The view keeps `t` alive (a view of a temporary, say `byte_view(x.cpu())` of a GPU
+    tensor, would otherwise point at freed memory: garbage written, or EFAULT)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
     n = t.numel() * t.element_size()
     arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    arr._tensor = t  # the memoryview holds arr, arr holds t
     return memoryview(arr).cast("B")
 
 

@@ -398,15 +398,22 @@ class OffloadEngine:
 
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None = None) -> float:
-        """Loss of `batch` without training (blocks stream as in the forward)."""
+        """Loss of `batch` without training (blocks stream as in the forward): in eval
+        mode (no dropout, no draw from the generators) and without gradients."""
         self._check_usable()
         batch = self._to_device(batch)
         ids = batch["input_ids"]
         self._check_activations(int(ids.shape[0]), int(ids.shape[-1]), training=False)
         start_schedule(self._state, training=False)
-        if loss_fn is not None:
-            return float(loss_fn(self.model, batch))
-        return float(self.model(**batch, use_cache=False).loss)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                if loss_fn is not None:
+                    return float(loss_fn(self.model, batch))
+                return float(self.model(**batch, use_cache=False).loss)
+        finally:
+            self.model.train(was_training)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state_dict with real values for the streamed parameters (copies, on

@@ -12,6 +12,11 @@
 # output goes to stderr; stdout gets one JSON line: pass/fail/skip counts, the failures,
 # the GPU, and what each CUDA test measured; "ok" only when all of it ran (a GPU) and
 # passed. Exit status: pytest's, or 3 when the interpreter lacks what the tests import.
+#
+# The worker tests read SmolLM2's tokenizer from pytest's cache (.pytest_cache/d/, written by
+# any local test run), so the cache provider stays on. On a GPU machine with torch but not
+# the project's other dependencies, install their wheels first (PYTHONPATH), as was done for
+# the first run on an NVIDIA H200 (2026-12-04: offload/README.md, "On a GPU").
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-}
@@ -31,7 +36,7 @@ fi
 
 export OFFLOAD_CUDA_REPORT="$WORK/measured.jsonl"
 START=$(date +%s)
-timeout 280 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -rfEs --continue-on-collection-errors \
+timeout 280 "$PY" -m pytest -q -o addopts="" -rfEs --continue-on-collection-errors \
   --junitxml="$WORK/junit.xml" tests/offload/test_cuda.py tests/offload/test_device.py tests/worker/jobs/test_cuda_job.py >&2
 RC=$?
 END=$(date +%s)

@@ -13,3 +13,11 @@ data flows through a job.
 `tasks.py` names the Celery tasks, `celery_app.py` configures the worker, `ingest.py` turns
 an uploaded file into a document row's text, `reconcile.py` requeues orphaned jobs.
 """
+
+import os
+
+# transformers (5.x) kernelizes a model loaded with its defaults when it is put in training
+# mode on a GPU, fetching "hub kernels" (compiled code) from the Hugging Face Hub: DocTune
+# never downloads at run time, and offline that fetch fails the job. Found by
+# scripts/cuda_check.sh on an H200; a user who wants them can set USE_HUB_KERNELS=YES.
+os.environ.setdefault("USE_HUB_KERNELS", "NO")

@@ -93,6 +93,7 @@ class MachineProfile(_Part):
     format: int
     measured_at: str
     base_model: str
+    device: str = "cpu"  # where the steps and scoring were timed: "cpu" or "cuda"
     budget_bytes: int
     disk: Disk
     cpu: Cpu

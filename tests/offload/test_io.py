@@ -149,3 +149,22 @@ def test_a_call_runs_on_an_io_thread_counts_its_bytes_and_keeps_its_error():
         assert io.stats.snapshot()["bytes_read"] == 4096  # nothing counted for it
     finally:
         io.close()
+
+
+def test_a_byte_view_keeps_its_tensor_alive():
+    """A view of a temporary (the checkpoint writes `byte_view(gpu_tensor.cpu())`) must not
+    point at freed memory: on the GPU that wrote garbage adapters into checkpoints, or
+    failed with EFAULT."""
+    import gc
+    import weakref
+
+    t = torch.arange(4096, dtype=torch.float32)
+    alive = weakref.ref(t)
+    view = byte_view(t)
+    del t
+    gc.collect()
+    assert alive() is not None
+    assert torch.equal(torch.frombuffer(view, dtype=torch.float32), torch.arange(4096.0))
+    del view
+    gc.collect()
+    assert alive() is None

@@ -120,3 +120,24 @@ def test_frozen_base_streams_from_the_safetensors_file(tmp_path):
     )
     assert eng.telemetry()["blocks_read_from_weights_files"] == 3
     eng.close()
+
+
+def test_evaluate_is_the_eval_mode_loss_and_draws_no_dropout(tmp_path):
+    """evaluate() runs without dropout and without touching the generators (it drew LoRA
+    dropout masks before: two engines with the same weights evaluated differently), and
+    leaves the model in the mode it found it."""
+    ref, model = lora_model(), lora_model()
+    eng = OffloadEngine(
+        model,
+        AdamWConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=1.0),
+        OffloadConfig(1_500_000, str(tmp_path / "swap"), prefetch=1, activation_bytes=700_000),
+    )
+    batch = make_batch(3)
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(**batch).loss.item()
+    rng = torch.get_rng_state()
+    assert eng.evaluate(batch) == eng.evaluate(batch) == expected
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
+    eng.close()

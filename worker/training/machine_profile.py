@@ -113,9 +113,12 @@ def build_profile(
     base_model: str = "",
     stream: str = "auto",
     time_model: bool = True,
+    device: str = "cpu",
 ) -> dict:
     """Measure this machine and plan LoRA and full fine-tuning of `model_dir` on it; with
-    `time_model`, time a few optimizer steps of the real model for each method too."""
+    `time_model`, time a few optimizer steps of the real model for each method too, and
+    scoring's shapes, on `device` ("cpu" or "cuda": where jobs compute)."""
+    import torch
     from transformers import AutoConfig
 
     from offload import plan
@@ -146,12 +149,18 @@ def build_profile(
         methods[method] = {k: (v if v != float("inf") else None) for k, v in p.to_dict().items()}
     base = streamed_base(model_dir, read, stream)
     timed = time_model and not base["streams"]  # a streamed model: too slow to time here
-    steps = time_steps(model_dir, budget_bytes, Path(swap_dir)) if timed else {}
-    scoring = time_scoring(model_dir) | {"general_forwards": general_forwards()} if timed else None
+    on = torch.device(device)
+    steps = time_steps(model_dir, budget_bytes, Path(swap_dir), device=on) if timed else {}
+    scoring = (
+        time_scoring(model_dir, device=on) | {"general_forwards": general_forwards()}
+        if timed
+        else None
+    )
     return checked_profile({  # the shape the web app reads (app.contract.machine_profile)
         "format": PROFILE_FORMAT,
         "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "base_model": base_model,
+        "device": device,
         "budget_bytes": int(budget_bytes),
         "disk": {
             "read_gbps": read,
@@ -168,23 +177,36 @@ def build_profile(
     })
 
 
-def current_budget_bytes() -> int:
-    """The budget a job would get now (the setting, or half of the free memory)."""
+def profile_device() -> str:
+    """Where a job computes now, "cpu" or "cuda" (DOCTUNE_DEVICE; "auto" asks torch)."""
+    from worker.training.resources import job_device
+
+    return job_device(settings.device).type
+
+
+def current_budget_bytes(device: str = "cpu") -> int:
+    """The budget a job would get now (the setting, or half of the free memory of the
+    job's device)."""
     if settings.offload_budget_mb:
         return settings.offload_budget_mb * 2**20
+    import torch
+
     from worker.training.resources import auto_budget_bytes
 
-    return auto_budget_bytes()
+    return auto_budget_bytes(device=torch.device(device))
 
 
-def is_current(path: Path | None = None) -> bool:
-    """A profile exists for this base model and format (the budget may drift; fine)."""
+def is_current(path: Path | None = None, device: str | None = None) -> bool:
+    """A profile exists for this base model and format, timed on `device` (None: any; the
+    budget may drift, fine)."""
     path = path or settings.machine_profile_path
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return profile_is_current(data, settings.base_model)
+    if not profile_is_current(data, settings.base_model):
+        return False
+    return device is None or data.get("device", "cpu") == device
 
 
 def measure_and_write(path: Path | None = None, disk_mib: int = DISK_MIB) -> dict | None:
@@ -199,21 +221,26 @@ def measure_and_write(path: Path | None = None, disk_mib: int = DISK_MIB) -> dic
         except OSError:
             return None
         model_dir = resolve_base_model(settings.base_model, settings.models_dir)
+        device = profile_device()
         profile = build_profile(
             model_dir,
             settings.swap_dir,
-            current_budget_bytes(),
+            current_budget_bytes(device),
             disk_mib=disk_mib,
             base_model=settings.base_model,
             stream=settings.stream_base_model,
+            device=device,
         )
         write_json_atomic(path, profile)
     return profile
 
 
 def start_measuring() -> subprocess.Popen | None:
-    """Measure in a child process unless a current profile exists; returns the process."""
-    if is_current():
+    """Measure in a child process unless a current profile exists; returns the process.
+    With DOCTUNE_DEVICE=auto only the child can tell (torch) whether the profile was timed
+    on today's device: it is started, and ends at once when the profile is current."""
+    known = settings.device if settings.device in ("cpu", "cuda") else None
+    if known is not None and is_current(device=known):
         return None
     env = dict(os.environ)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -231,6 +258,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.nice(5)  # a training job on the same machine comes first
     started = time.perf_counter()
+    if is_current(device=profile_device()):
+        log.info("This machine's profile is current.")
+        return
     profile = measure_and_write()
     if profile is None:
         log.info("Another process is measuring this machine.")

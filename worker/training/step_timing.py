@@ -86,19 +86,25 @@ def time_method(
     swap_dir: Path,
     shapes: tuple[tuple[int, int], ...] = SHAPES,
     seed: int = 0,
+    device: torch.device | None = None,
 ) -> tuple[list[tuple[int, int, float]], tuple[float, float], float]:
     """(rows, width, seconds of one optimizer step) for `method` at each of `shapes`, run as a
-    job runs it (steady_seconds), the model's matmul FLOPs per token (matmul_flops), and the
-    seconds of writing one checkpoint of the run."""
+    job runs it (steady_seconds) on `device` (None: the CPU; "cuda": the model's resident
+    part on the GPU, the engine's page pool in host memory, as a job there), the model's
+    matmul FLOPs per token (matmul_flops), and the seconds of writing one checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from worker.training.batches import pad_batch
     from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+    from worker.training.resources import auto_budget_bytes
 
+    cuda = device is not None and device.type == "cuda"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = int(model.config.vocab_size)
     flops = matmul_flops(model, method)  # before the engine takes the weights over
+    if cuda:
+        model = model.to(device)
     gen = torch.Generator().manual_seed(seed)
 
     def batch(rows: int, width: int) -> dict[str, torch.Tensor]:
@@ -115,19 +121,27 @@ def time_method(
         budget_bytes=budget_bytes,
         swap_dir=workdir / "swap",
         weights_files=sorted(folder.glob("*.safetensors")) if folder.is_dir() else [],
+        device=str(device) if cuda else None,
+        host_budget_bytes=auto_budget_bytes(device=torch.device("cpu")) if cuda else None,
     )
     recipe = FineTuneRecipe(model, examples, config, workdir, engine=engine)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(b: dict[str, torch.Tensor]) -> None:
+        recipe.engine.step(b)
+        sync()  # the GPU's queued kernels belong to the step's time
+
     measured: list[tuple[int, int, float]] = []
     checkpoint_s = 0.0
     try:
         recipe.setup()
         first = sorted(shapes, key=lambda s: s[0] * s[1])
         started = time.perf_counter()
-        recipe.engine.step(batch(*first[0]))  # warm-up, not counted
+        step(batch(*first[0]))  # warm-up, not counted
         slow = time.perf_counter() - started > SLOW_STEP_S
         for rows, width in first[:1] if slow else first:
             b = batch(rows, width)
-            seconds = steady_seconds(lambda b=b: recipe.engine.step(b), 1 if slow else REPEATS)
+            seconds = steady_seconds(lambda b=b: step(b), 1 if slow else REPEATS)
             measured.append((rows, width, seconds))
         started = time.perf_counter()
         recipe.save_checkpoint()
@@ -141,11 +155,14 @@ def time_method(
 
 
 def time_steps(model_dir: str, budget_bytes: int, swap_dir: Path,
-               methods: tuple[str, ...] = ("lora", "full")) -> dict[str, dict]:
+               methods: tuple[str, ...] = ("lora", "full"),
+               device: torch.device | None = None) -> dict[str, dict]:
     """The timed run and its fit for each method, as app.contract.machine_profile.StepFit."""
     out = {}
     for method in methods:
-        measured, flops, checkpoint_s = time_method(model_dir, method, budget_bytes, swap_dir)
+        measured, flops, checkpoint_s = time_method(
+            model_dir, method, budget_bytes, swap_dir, device=device
+        )
         fixed, per_flop = fit_step_time(measured, flops)
         out[method] = {"measured": [list(m) for m in measured], "fixed_s": fixed,
                        "s_per_flop": per_flop, "flops_per_token": list(flops),
@@ -161,18 +178,23 @@ SCORING_NEW_TOKENS = 24
 
 
 @torch.no_grad()
-def time_scoring(model_dir: str, seed: int = 0) -> dict:
+def time_scoring(model_dir: str, seed: int = 0, device: torch.device | None = None) -> dict:
     """Seconds per generated token of a batch of SCORING_BATCH prompts (its prefill
-    included), and per forward of SCORING_BATCH x 256 tokens, for a model in memory."""
+    included), and per forward of SCORING_BATCH x 256 tokens, for a model in memory on
+    `device` (None: the CPU)."""
     from transformers import AutoModelForCausalLM
 
     from worker.training.resources import configure_threads
 
+    device = device or torch.device("cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     configure_threads()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device).eval()
     vocab = int(model.config.vocab_size)
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, vocab, (SCORING_BATCH, SCORING_PROMPT), generator=gen)
+    prompts = prompts.to(device)
     mask = torch.ones_like(prompts)
 
     def decode() -> float:
@@ -180,14 +202,17 @@ def time_scoring(model_dir: str, seed: int = 0) -> dict:
         model.generate(input_ids=prompts, attention_mask=mask, do_sample=False,
                        max_new_tokens=SCORING_NEW_TOKENS, min_new_tokens=SCORING_NEW_TOKENS,
                        pad_token_id=0)
+        sync()
         return (time.perf_counter() - started) / SCORING_NEW_TOKENS
 
     decode()  # warm-up
     decode_s = decode()
-    text = torch.randint(0, vocab, (SCORING_BATCH, 256), generator=gen)
+    text = torch.randint(0, vocab, (SCORING_BATCH, 256), generator=gen).to(device)
     model(input_ids=text)  # warm-up
+    sync()
     started = time.perf_counter()
     model(input_ids=text)
+    sync()
     forward_s = time.perf_counter() - started
     log.info("scoring: %.3f s per generated token (batch %d), %.2f s per forward of %dx256",
              decode_s, SCORING_BATCH, forward_s, SCORING_BATCH)

@@ -54,3 +54,18 @@ def test_a_job_on_the_gpu_gives_what_the_cpu_job_gives(tiny_dir, tmp_path, metho
         )
     with zipfile.ZipFile(gpu["artifacts"]["merged"]) as zf:
         assert any(n.endswith(".safetensors") for n in zf.namelist())
+
+
+def test_the_machine_profile_times_steps_and_scoring_on_the_gpu(tiny_dir, tmp_path):
+    """With jobs on the GPU the Train panel's estimate must come from GPU steps: the profile
+    times LoRA and full steps and scoring there (a CPU profile would be far too long)."""
+    from worker.training.machine_profile import build_profile
+
+    profile = build_profile(
+        str(tiny_dir), tmp_path / "swap", 2 << 30, disk_mib=8, base_model="tiny", device="cuda"
+    )
+    assert profile["device"] == "cuda"
+    for method in ("lora", "full"):
+        fit = profile["steps"][method]
+        assert len(fit["measured"]) >= 1 and all(s > 0 for _, _, s in fit["measured"])
+    assert profile["scoring"]["decode_s"] > 0 and profile["scoring"]["forward_s"] > 0

@@ -164,3 +164,15 @@ def test_load_size_counts_the_files_tensors_once(tmp_path_factory, smol_tokenize
     assert resources.available_memory_bytes(tmp_path / "missing") is None
     # This machine: the real file, and the tiny model fits.
     assert resources.available_memory_bytes() > need
+
+
+def test_a_loaded_model_never_fetches_hub_kernels(tmp_path_factory, smol_tokenizer):
+    """transformers kernelizes a model loaded with its defaults when it goes into training
+    mode on a GPU, fetching compiled kernels from the Hugging Face Hub (offline: the job
+    failed, found on an H200). The worker turns that off for every load (worker/__init__)."""
+    from transformers import AutoModelForCausalLM
+
+    assert os.environ["USE_HUB_KERNELS"] == "NO"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(tmp_path_factory, smol_tokenizer))
+    model.train()
+    assert model.use_kernels is False

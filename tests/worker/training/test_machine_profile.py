@@ -76,6 +76,11 @@ def test_measure_and_write_is_atomic_and_marks_the_profile_current(tiny_dir, tmp
         assert mp.is_current(path)
         assert [p.name for p in tmp_path.glob("*.tmp")] == []
         assert math.isfinite(profile["methods"]["lora"]["est_s_per_step"])
+        # Timed where jobs compute (no GPU here, DOCTUNE_DEVICE auto: the CPU); a GPU
+        # appearing, or DOCTUNE_DEVICE=cuda, makes it stale: a GPU's steps are not the CPU's.
+        assert settings.device == "auto" and mp.profile_device() == "cpu"
+        assert profile["device"] == "cpu"
+        assert mp.is_current(path, device="cpu") and not mp.is_current(path, device="cuda")
         settings.base_model = "embedded"  # another model: measure again
         assert not mp.is_current(path)
     finally:
