@@ -69,6 +69,11 @@ RECIPES: dict[str, dict] = {
     "default-qa4-full": _DEFAULT | {"generated_qa": 4, "method": "full", "learning_rate": 5e-5},
     "default-qa4-full-1e-4": _DEFAULT | {"generated_qa": 4, "method": "full",
                                          "learning_rate": 1e-4},
+    # ... in at most 10 minutes of training (issue 13's limit): 3 passes instead of 4.
+    "default-qa4-full-1e-4-e3": _DEFAULT | {"generated_qa": 4, "method": "full",
+                                            "learning_rate": 1e-4, "epochs": 3},
+    "default-qa4-full-2e-4-e3": _DEFAULT | {"generated_qa": 4, "method": "full",
+                                            "learning_rate": 2e-4, "epochs": 3},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }

@@ -237,9 +237,11 @@ def measure_and_write(path: Path | None = None, disk_mib: int = DISK_MIB) -> dic
 
 def start_measuring() -> subprocess.Popen | None:
     """Measure in a child process unless a current profile exists; returns the process.
-    With DOCTUNE_DEVICE=auto only the child can tell (torch) whether the profile was timed
-    on today's device: it is started, and ends at once when the profile is current."""
+    With DOCTUNE_DEVICE=auto and an NVIDIA device node, only torch can tell where jobs will
+    compute: the child is started, and ends at once when the profile is current."""
     known = settings.device if settings.device in ("cpu", "cuda") else None
+    if known is None and not any(Path("/dev").glob("nvidia[0-9]*")):
+        known = "cpu"  # no NVIDIA GPU on this machine: "auto" is the CPU (torch not imported)
     if known is not None and is_current(device=known):
         return None
     env = dict(os.environ)

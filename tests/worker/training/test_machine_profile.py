@@ -81,6 +81,7 @@ def test_measure_and_write_is_atomic_and_marks_the_profile_current(tiny_dir, tmp
         assert settings.device == "auto" and mp.profile_device() == "cpu"
         assert profile["device"] == "cpu"
         assert mp.is_current(path, device="cpu") and not mp.is_current(path, device="cuda")
+        assert mp.start_measuring() is None  # current: no child (no NVIDIA device here)
         settings.base_model = "embedded"  # another model: measure again
         assert not mp.is_current(path)
     finally:
