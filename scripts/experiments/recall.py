@@ -74,6 +74,9 @@ RECIPES: dict[str, dict] = {
                                             "learning_rate": 1e-4, "epochs": 3},
     "default-qa4-full-2e-4-e3": _DEFAULT | {"generated_qa": 4, "method": "full",
                                             "learning_rate": 2e-4, "epochs": 3},
+    # ... or fewer phrasings a fact, so that each pass is shorter.
+    "default-qa3-full-1e-4": _DEFAULT | {"generated_qa": 3, "method": "full",
+                                         "learning_rate": 1e-4},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }
