@@ -274,8 +274,7 @@ def _write_resident(
     def write_resident(fd: int) -> None:
         for _, _, t in tensors:
             if t.numel():  # .cpu(): on the CUDA path resident tensors are on the GPU
-                host = t.detach().cpu().contiguous()  # held while its bytes are written
-                _write_all(fd, byte_view(host))
+                _write_all(fd, byte_view(t.detach().cpu().contiguous()))  # view keeps it
 
     _write_file(rpath, write_resident)
     return {"name": rname, "bytes": off}, entries

@@ -399,7 +399,7 @@ class OffloadEngine:
     @torch.no_grad()
     def evaluate(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None = None) -> float:
         """Loss of `batch` without training (blocks stream as in the forward): in eval
-        mode (no dropout, no draw from the generators) and without gradients."""
+        mode (no dropout, no draw from the generators)."""
         self._check_usable()
         batch = self._to_device(batch)
         ids = batch["input_ids"]
@@ -407,11 +407,10 @@ class OffloadEngine:
         start_schedule(self._state, training=False)
         was_training = self.model.training
         self.model.eval()
-        try:
-            with torch.no_grad():
-                if loss_fn is not None:
-                    return float(loss_fn(self.model, batch))
-                return float(self.model(**batch, use_cache=False).loss)
+        try:  # (no gradients: the method runs under torch.no_grad)
+            if loss_fn is not None:
+                return float(loss_fn(self.model, batch))
+            return float(self.model(**batch, use_cache=False).loss)
         finally:
             self.model.train(was_training)
 

@@ -63,6 +63,13 @@ def fit_step_time(measured: list[tuple[int, int, float]],
     return 0.0, sum(ys) / sum(xs)
 
 
+def _synchronizer(device: torch.device | None):
+    """What waits for `device`'s queued work before a clock is read (nothing on the CPU)."""
+    if device is not None and device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 def steady_seconds(step, repeats: int = REPEATS) -> float:
     """Seconds of `step()` as a job's steady steps take it: the fastest of `repeats` tries,
     or the middle of three when the first two disagree by more than DISAGREE."""
@@ -125,7 +132,7 @@ def time_method(
         host_budget_bytes=auto_budget_bytes(device=torch.device("cpu")) if cuda else None,
     )
     recipe = FineTuneRecipe(model, examples, config, workdir, engine=engine)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = _synchronizer(device)
 
     def step(b: dict[str, torch.Tensor]) -> None:
         recipe.engine.step(b)
@@ -187,7 +194,7 @@ def time_scoring(model_dir: str, seed: int = 0, device: torch.device | None = No
     from worker.training.resources import configure_threads
 
     device = device or torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     configure_threads()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = model.to(device).eval()
