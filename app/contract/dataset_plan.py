@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Raise it when the plan's meaning changes (the dataset code counts differently).
-FORMAT = 1
+FORMAT = 2  # 2: predicting
 # The job settings the dataset and its batches depend on (app.contract.training names them;
 # batch size and grouping are the recipe's fixed defaults).
 PLAN_PARAMS = ("max_seq_len", "generated_qa", "replay", "epochs", "seed", "holdout_frac",
@@ -60,6 +60,9 @@ class DatasetPlan(BaseModel):
     tokens: int  # real (unpadded) tokens over all steps
     # (rows, padded width, number of steps of that shape) over all steps
     shapes: list[tuple[int, int, int]] = Field(default_factory=list)
+    # per shape (same order): its steps' positions whose next token is a label, summed; the
+    # output layer runs only at those (worker/training/engines.lm_loss_sum)
+    predicting: list[int] = Field(default_factory=list)
     seconds: float = 0.0  # how long counting took
 
 

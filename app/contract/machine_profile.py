@@ -14,7 +14,21 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Raise it when the shape below changes in a way an older reader cannot follow.
-FORMAT = 3  # 2: the timed run of the real model (steps); 3: repeated, with a checkpoint
+FORMAT = 4  # 2: the timed run of the real model (steps); 3: repeated, with a checkpoint;
+# 4: the output layer's share (head_flops), fused AdamW on the CPU
+
+
+def step_flops(flops_per_token: tuple[float, float], rows: int, width: int,
+               predicting: float | None = None, head_flops: float = 0.0) -> float:
+    """A training step's matmul FLOPs: `rows` examples padded to `width` tokens at (linear,
+    attention) FLOPs per token, linear + attention * width each. The output layer
+    (`head_flops` of linear) runs only at the `predicting` positions, those whose next token
+    is a label (worker/training/engines.lm_loss_sum); None: at every position."""
+    linear, attention = flops_per_token
+    work = rows * width * (linear + attention * width)
+    if predicting is not None:
+        work -= max(0.0, rows * width - predicting) * head_flops
+    return work
 
 
 class _Part(BaseModel):
@@ -66,19 +80,22 @@ class StreamedBase(_Part):
 class StepFit(_Part):
     """A timed run of the real base model through the offload engine, one method
     (worker/training/step_timing.py): a step of `rows` examples padded to `width` tokens
-    takes fixed_s + s_per_flop * rows * width * (linear + attention * width) seconds, with
-    (linear, attention) = flops_per_token; writing one of the run's checkpoints takes
-    checkpoint_s."""
+    takes fixed_s + s_per_flop * step_flops(...) seconds, with (linear, attention) =
+    flops_per_token of which head_flops are the output layer's; writing one of the run's
+    checkpoints takes checkpoint_s."""
 
     measured: list[tuple[int, int, float]]  # (rows, width, seconds) of the steps timed
     fixed_s: float
     s_per_flop: float
     flops_per_token: tuple[float, float]
+    head_flops: float = 0.0
     checkpoint_s: float
 
-    def seconds(self, rows: int, width: int) -> float:
-        linear, attention = self.flops_per_token
-        return self.fixed_s + self.s_per_flop * rows * width * (linear + attention * width)
+    def seconds(self, rows: int, width: int, predicting: float | None = None) -> float:
+        """One step's seconds; `predicting`: its positions that predict a label (None: all)."""
+        return self.fixed_s + self.s_per_flop * step_flops(
+            self.flops_per_token, rows, width, predicting, self.head_flops
+        )
 
 
 class Scoring(_Part):

@@ -122,15 +122,19 @@ def _rule_of_thumb(corpus: Corpus, params: Mapping[str, Any], batch_size: int) -
 
 
 def _train_seconds(shapes: Shapes, plan: Mapping[str, Any], fit: StepFit | None,
-                   ref: Mapping[str, Any], epochs: int = 1, every: int = CHECKPOINT_EVERY
-                   ) -> float:
+                   ref: Mapping[str, Any], epochs: int = 1, every: int = CHECKPOINT_EVERY,
+                   predicting: list[int] | None = None) -> float:
     """Seconds of training over `shapes` (`epochs` passes): the timed run's fit and its
     checkpoints, else offload.plan's compute time per step scaled by the step's tokens (at
-    least its disk time when the model streams)."""
+    least its disk time when the model streams). `predicting`: per shape, its steps'
+    positions that predict a label, summed (the output layer runs only there); None: all."""
     if fit is not None:
         steps = sum(n for _, _, n in shapes)
         checkpoints = checkpoints_after(0, steps, steps // max(1, epochs), every) if steps else 0
-        return (sum(n * fit.seconds(rows, width) for rows, width, n in shapes)
+        per_shape = predicting if predicting and len(predicting) == len(shapes) else None
+        return (sum(n * fit.seconds(rows, width,
+                                    per_shape[i] / n if per_shape is not None else None)
+                    for i, (rows, width, n) in enumerate(shapes))
                 + checkpoints * fit.checkpoint_s)
     per_token = float(plan["compute_s_per_step"]) / (int(ref["batch_size"]) * int(ref["seq_len"]))
     io = float(plan.get("io_s_per_step") or 0.0) if not plan.get("fits_in_memory") else 0.0
@@ -165,7 +169,8 @@ def estimate(
     fit = StepFit.model_validate(timed) if timed else None
     epochs = dataset.epochs if dataset is not None else int(params["epochs"])
     every = int(params.get("checkpoint_every") or CHECKPOINT_EVERY)
-    train_s = _train_seconds(shapes, plan, fit, ref, epochs, every)
+    train_s = _train_seconds(shapes, plan, fit, ref, epochs, every,
+                             dataset.predicting if dataset is not None else None)
     before, after = _scoring_seconds(profile, corpus, params, dataset, before_cached)
     phases = {"before": before, "train": train_s, "after": after,
               "export": _export_seconds(profile)}

@@ -79,6 +79,24 @@ def test_short_qa_batches_cost_less_compute_than_full_chunks():
     assert text.seconds == pytest.approx(2.0)
 
 
+def test_practice_questions_pay_for_the_output_layer_only_at_their_answers():
+    # The timed run's steps predict at every position; a counted plan says how many of its
+    # positions predict a label: the output layer's FLOPs (head_flops) are charged only there.
+    head = 1e8
+    timed = json.loads(json.dumps(PROFILE)) | {"steps": {"lora": TIMED | {"head_flops": head}}}
+    corpus = Corpus(n_words=10_000, n_qa=0)
+    params = planner.default_params(10_000, 0, "lora")
+    shapes = [(4, 60, 100), (4, 250, 10)]
+    whole = planner.estimate(corpus, params, timed, _counted(shapes)).train_s
+    # The short steps predict 40 of their 240 positions each (4,000 in all), the long ones all.
+    est = planner.estimate(corpus, params, timed, _counted(shapes, predicting=[4_000, 10_000]))
+    assert est.train_s == pytest.approx(whole - 1e-9 * head * 100 * (240 - 40))
+    # A profile from before the output layer's share was timed: every position, as before.
+    old = json.loads(json.dumps(PROFILE)) | {"steps": {"lora": TIMED}}
+    assert planner.estimate(corpus, params, old, _counted(shapes, predicting=[4_000, 10_000])
+                            ).train_s == pytest.approx(whole)
+
+
 def test_a_base_model_larger_than_memory_adds_its_scoring_time():
     corpus = Corpus(n_words=10_000)
     plain = planner.estimates_for(corpus, PROFILE, load=False)
@@ -120,12 +138,14 @@ def _step_s(rows: int, width: int) -> float:
     return 1.0 + 1e-9 * rows * width * (3e8 + 1e6 * width)
 
 
-def _counted(shapes: list[tuple[int, int, int]], key: str = "k") -> object:
+def _counted(shapes: list[tuple[int, int, int]], key: str = "k",
+             predicting: list[int] | None = None) -> object:
     steps = sum(n for *_, n in shapes)
     return checked_plan({"format": PLAN_FORMAT, "key": key, "examples": 4 * steps, "chunks": 1,
                          "qa": 0, "practice": 0, "replay": 0, "probes": 0, "questions": 0,
                          "heldout_chunks": 0, "heldout_qa": 0, "epochs": 1,
-                         "steps": steps, "tokens": 1, "shapes": shapes})
+                         "steps": steps, "tokens": 1, "shapes": shapes,
+                         "predicting": predicting or []})
 
 
 def test_a_timed_run_and_a_counted_plan_give_the_time_step_by_step():

@@ -1,7 +1,8 @@
 """Count a job's training work without loading the model: the dataset the job would build
 (worker.jobs.pipeline's own job_settings and job_dataset, so the same chunks, practice
 questions and hold-out) and, step by step, the padded shape of each batch as the recipe
-makes them (worker.training.batches.step_lengths, grouped by length). Only the tokenizer is
+makes them (worker.training.batches.step_members, grouped by length), with the positions
+of each that predict a label (the output layer runs only there). Only the tokenizer is
 loaded. The result is app.contract.dataset_plan's shape, kept on the project row for the
 Train panel's estimate (app/services/planner.py).
 
@@ -20,8 +21,8 @@ from typing import Any
 from app.contract.dataset_plan import FORMAT, DatasetPlan, plan_key
 from worker.dataset.corpus import SourceDoc
 from worker.jobs.pipeline import job_dataset, job_settings
-from worker.training.batches import step_lengths
-from worker.training.replay import planned_lengths
+from worker.training.batches import predicting_count, step_members
+from worker.training.replay import planned_lengths, planned_predicting
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +34,23 @@ def count_work(docs: list[SourceDoc], tokenizer, params: Mapping[str, Any], key:
     split = job_dataset(docs, tokenizer, job)
     cfg = job.config
     lengths = [min(len(e["input_ids"]), cfg.max_seq_len) for e in split.train_examples]
+    predicting = [predicting_count(e, cfg.max_seq_len) for e in split.train_examples]
     replay = planned_lengths(tokenizer, job.replay_n, cfg.max_seq_len) if job.replay_n else []
     lengths += replay
+    if job.replay_n:
+        predicting += planned_predicting(tokenizer, job.replay_n, cfg.max_seq_len)
     per_step = cfg.batch_size * cfg.grad_accum
     steps_per_epoch = cfg.steps_per_epoch(len(lengths))
     total = cfg.total_steps(len(lengths))
     shapes: Counter[tuple[int, int]] = Counter()
+    predicts: Counter[tuple[int, int]] = Counter()  # positions predicting a label, by shape
     tokens = 0
-    for batch in step_lengths(lengths, cfg.seed, per_step, cfg.group_by_length,
+    for batch in step_members(lengths, cfg.seed, per_step, cfg.group_by_length,
                               steps_per_epoch, total):
-        shapes[(len(batch), max(batch))] += 1
-        tokens += sum(batch)
+        shape = (len(batch), max(lengths[i] for i in batch))
+        shapes[shape] += 1
+        predicts[shape] += sum(predicting[i] for i in batch)
+        tokens += sum(lengths[i] for i in batch)
     stats = split.stats
     return DatasetPlan(
         format=FORMAT,
@@ -61,6 +68,7 @@ def count_work(docs: list[SourceDoc], tokenizer, params: Mapping[str, Any], key:
         steps=total,
         tokens=tokens,
         shapes=sorted((rows, width, n) for (rows, width), n in shapes.items()),
+        predicting=[predicts[shape] for shape in sorted(shapes)],
         seconds=round(time.perf_counter() - started, 3),
     )
 

@@ -59,14 +59,29 @@ def step_lengths(lengths: list[int], seed: int, per_step: int, group_by_length: 
     order a run takes them (FineTuneRecipe.batch_for_step): what a step costs (its padded
     shape is len x max) without building its tensors. The dataset plan counts these; the
     job's ETA weighs its remaining steps by them."""
+    return [[lengths[i] for i in step]
+            for step in step_members(lengths, seed, per_step, group_by_length,
+                                     steps_per_epoch, total_steps)]
+
+
+def step_members(lengths: list[int], seed: int, per_step: int, group_by_length: bool,
+                 steps_per_epoch: int, total_steps: int) -> list[list[int]]:
+    """The indices (into `lengths`) of the examples of each optimizer step, as step_lengths
+    orders them."""
     out: list[list[int]] = []
     order: list[int] = []
     for step in range(total_steps):
         epoch, index = divmod(step, steps_per_epoch)
         if index == 0:
             order = epoch_order(lengths, seed, epoch, per_step, group_by_length)
-        out.append([lengths[i] for i in order[index * per_step : (index + 1) * per_step]])
+        out.append(order[index * per_step : (index + 1) * per_step])
     return out
+
+
+def predicting_count(example: dict, max_len: int) -> int:
+    """The positions of `example` (capped at `max_len` tokens) whose next token is a label:
+    where the output layer runs (worker/training/engines.lm_loss_sum)."""
+    return sum(1 for t in example["labels"][1:max_len] if t != IGNORE_INDEX)
 
 
 def _group_by_length(

@@ -27,9 +27,31 @@ def lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
 
     A sum (not a mean) so micro-batches of an accumulated step add up to exactly the loss of
     the whole batch once divided by its token count.
+
+    Only the positions that predict a label go through the output layer (the model's own
+    `logits_to_keep`): a practice question's system prompt and question are most of its
+    tokens, and a vocabulary-wide matmul and softmax at each of them computes nothing the
+    loss reads (about 15% of a full fine-tuning step on the fixture corpus).
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    return token_loss_sum(logits, batch["labels"])
+    labels = batch["labels"]
+    if not _keeps_logits(model):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return token_loss_sum(logits, labels)
+    # keep[r, t]: position t of row r predicts a label (its next token's).
+    keep = F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+    logits = model(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
+    ).logits  # (kept positions, vocabulary)
+    return F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum")
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do; a
+    PEFT wrapper passes it on)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -42,6 +64,14 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def fused_adamw(devices) -> bool | None:
+    """torch's fused AdamW for parameters all on the CPU: one kernel a parameter instead of
+    ten elementwise passes over it (a full fine-tuning step of the embedded model: about
+    0.18 s of optimizer against 0.06 s on 2 cores). None (torch's default) elsewhere. Both
+    engines ask this, so they keep computing the same bits."""
+    return True if all(torch.device(d).type == "cpu" for d in devices) else None
 
 
 def warmup_linear_decay(total_steps: int, warmup_steps: int):
@@ -87,7 +117,10 @@ class InMemoryEngine:
         groups = [{"params": decay, "weight_decay": weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
-        self.optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8)
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=learning_rate, betas=(0.9, 0.999), eps=1e-8,
+            fused=fused_adamw(p.device for p in self.trainable.values()),
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_linear_decay(total_steps, warmup_steps)
         )
@@ -227,6 +260,11 @@ class OffloadTrainEngine:
             weight_decay=weight_decay,
             max_grad_norm=grad_clip or None,  # InMemoryEngine clips only when grad_clip is set
             no_decay_1d=True,
+            # The offload engine steps each block's AdamW where its pages are: on the CPU
+            # unless blocks compute on a GPU.
+            fused=fused_adamw(
+                [device or "cpu"] + [p.device for p in model.parameters() if not p.is_meta]
+            ),
         )
         config = OffloadConfig(
             budget_bytes=int(budget_bytes),

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from app.contract.machine_profile import step_flops
+
+__all__ = ["head_flops", "matmul_flops", "step_flops"]
+
 
 def matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
     """(linear, attention): a step's matmul FLOPs per token are linear + attention * width."""
@@ -20,6 +24,9 @@ def matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
     return per_weight * weights, attention
 
 
-def step_flops(flops: tuple[float, float], rows: int, width: int) -> float:
-    linear, attention = flops
-    return rows * width * (linear + attention * width)
+def head_flops(model: torch.nn.Module, method: str) -> float:
+    """The output layer's share of matmul_flops' linear part, per position it runs at (only
+    where the next token is a label: worker/training/engines.lm_loss_sum)."""
+    head = model.get_output_embeddings()
+    weight = head.weight if head is not None else model.get_input_embeddings().weight
+    return (6.0 if method == "full" else 4.0) * weight.numel()

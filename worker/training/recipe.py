@@ -37,9 +37,15 @@ from app.contract.training import (
 )
 from worker.errors import UserFacingError
 from worker.files import fsync_dir, fsync_file
-from worker.training.batches import epoch_order, examples_digest, pad_batch, step_lengths
+from worker.training.batches import (
+    epoch_order,
+    examples_digest,
+    pad_batch,
+    predicting_count,
+    step_members,
+)
 from worker.training.engines import InMemoryEngine, OffloadTrainEngine
-from worker.training.flops import matmul_flops, step_flops
+from worker.training.flops import head_flops, matmul_flops, step_flops
 from worker.training.resources import auto_budget_bytes, configure_threads
 
 log = logging.getLogger(__name__)
@@ -186,14 +192,14 @@ class _Progress:
 StartWeights = Callable[[torch.nn.Module], int]
 
 
-def _matmul_flops(model: torch.nn.Module, method: str) -> tuple[float, float]:
-    """(linear, attention) FLOPs per token (worker.training.flops); padded tokens alone
-    for a model whose shape it cannot read (the dataset plan's tests lay out batches with a
-    stand-in model)."""
+def _matmul_flops(model: torch.nn.Module, method: str) -> tuple[tuple[float, float], float]:
+    """((linear, attention) FLOPs per token, the output layer's share of linear)
+    (worker.training.flops); padded tokens alone for a model whose shape it cannot read (the
+    dataset plan's tests lay out batches with a stand-in model)."""
     try:
-        return matmul_flops(model, method)
+        return matmul_flops(model, method), head_flops(model, method)
     except (AttributeError, TypeError):
-        return 1.0, 0.0
+        return (1.0, 0.0), 0.0
 
 
 class FineTuneRecipe:
@@ -229,7 +235,8 @@ class FineTuneRecipe:
         self.progress = _Progress()
         self.steps_per_epoch = config.steps_per_epoch(len(train_examples))
         self.total_steps = config.total_steps(len(train_examples))
-        self._flops = _matmul_flops(model, config.method)  # before an engine takes it over
+        # Before an engine takes the model over.
+        self._flops, self._head_flops = _matmul_flops(model, config.method)
         self._digest = examples_digest(train_examples)
         self._last_saved_step = -1
         self._checkpoint_s = 0.0  # how long the last checkpoint took to write (for the ETA)
@@ -481,13 +488,15 @@ class FineTuneRecipe:
         return self.metrics()
 
     def step_costs(self) -> list[float]:
-        """Each step's matmul FLOPs from its padded shape (worker.training.flops): the ETA
-        weighs the steps left by these, so a run that started on its long
-        batches does not take every later, shorter one to be as slow."""
+        """Each step's matmul FLOPs from its padded shape and its positions that predict a
+        label (worker.training.flops): the ETA weighs the steps left by these, so a run that
+        started on its long batches does not take every later, shorter one to be as slow."""
         cfg = self.config
         lengths = [min(len(ex["input_ids"]), cfg.max_seq_len) for ex in self.examples]
-        return [step_flops(self._flops, len(b), max(b))
-                for b in step_lengths(lengths, cfg.seed, cfg.batch_size * cfg.grad_accum,
+        predicting = [predicting_count(ex, cfg.max_seq_len) for ex in self.examples]
+        return [step_flops(self._flops, len(b), max(lengths[i] for i in b),
+                           sum(predicting[i] for i in b), self._head_flops)
+                for b in step_members(lengths, cfg.seed, cfg.batch_size * cfg.grad_accum,
                                       cfg.group_by_length, self.steps_per_epoch,
                                       self.total_steps)]
 

@@ -65,3 +65,12 @@ def planned_lengths(tokenizer, n: int, max_seq_len: int) -> list[int]:
     model has answered them: each prompt with an answer of ANSWER_TOKENS (and its end)."""
     return [min(len(qa_prompt_ids(tokenizer, p)) + ANSWER_TOKENS + 1, max_seq_len)
             for p in replay_prompts(n)]
+
+
+def planned_predicting(tokenizer, n: int, max_seq_len: int) -> list[int]:
+    """planned_lengths' examples' positions that predict a label: their answers (and end)."""
+    return [
+        max(0, length - len(qa_prompt_ids(tokenizer, p)))
+        for length, p in zip(planned_lengths(tokenizer, n, max_seq_len), replay_prompts(n),
+                             strict=True)
+    ]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from worker.training.flops import matmul_flops, step_flops
+from worker.training.flops import head_flops, matmul_flops, step_flops
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +94,12 @@ def time_method(
     shapes: tuple[tuple[int, int], ...] = SHAPES,
     seed: int = 0,
     device: torch.device | None = None,
-) -> tuple[list[tuple[int, int, float]], tuple[float, float], float]:
+) -> tuple[list[tuple[int, int, float]], tuple[float, float], float, float]:
     """(rows, width, seconds of one optimizer step) for `method` at each of `shapes`, run as a
     job runs it (steady_seconds) on `device` (None: the CPU; "cuda": the model's resident
     part on the GPU, the engine's page pool in host memory, as a job there), the model's
-    matmul FLOPs per token (matmul_flops), and the seconds of writing one checkpoint."""
+    matmul FLOPs per token (matmul_flops), the output layer's share of them (head_flops),
+    and the seconds of writing one checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from worker.training.batches import pad_batch
@@ -109,7 +110,8 @@ def time_method(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     vocab = int(model.config.vocab_size)
-    flops = matmul_flops(model, method)  # before the engine takes the weights over
+    # Before the engine takes the weights over.
+    flops, head = matmul_flops(model, method), head_flops(model, method)
     if cuda:
         model = model.to(device)
     gen = torch.Generator().manual_seed(seed)
@@ -158,7 +160,7 @@ def time_method(
         shutil.rmtree(workdir, ignore_errors=True)
     log.info("%s steps: %s; a checkpoint %.2f s", method,
              ", ".join(f"{r}x{w} {s:.2f} s" for r, w, s in measured), checkpoint_s)
-    return measured, flops, checkpoint_s
+    return measured, flops, head, checkpoint_s
 
 
 def time_steps(model_dir: str, budget_bytes: int, swap_dir: Path,
@@ -167,13 +169,13 @@ def time_steps(model_dir: str, budget_bytes: int, swap_dir: Path,
     """The timed run and its fit for each method, as app.contract.machine_profile.StepFit."""
     out = {}
     for method in methods:
-        measured, flops, checkpoint_s = time_method(
+        measured, flops, head, checkpoint_s = time_method(
             model_dir, method, budget_bytes, swap_dir, device=device
         )
         fixed, per_flop = fit_step_time(measured, flops)
         out[method] = {"measured": [list(m) for m in measured], "fixed_s": fixed,
                        "s_per_flop": per_flop, "flops_per_token": list(flops),
-                       "checkpoint_s": checkpoint_s}
+                       "head_flops": head, "checkpoint_s": checkpoint_s}
     return out
 
 

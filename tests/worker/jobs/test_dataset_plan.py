@@ -11,10 +11,11 @@ import pytest
 from app.contract.dataset_plan import checked_plan
 from app.contract.training import default_params
 from scripts.experiments.recall import load_corpus
+from worker.dataset.corpus import IGNORE_INDEX
 from worker.jobs.dataset_plan import count_work
 from worker.jobs.pipeline import job_dataset, job_settings
 from worker.training.recipe import FineTuneRecipe
-from worker.training.replay import planned_lengths
+from worker.training.replay import planned_lengths, planned_predicting
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +24,21 @@ def corpus_docs() -> list:
         return load_corpus(Path(folder))  # the fixture corpus as the worker extracts it
 
 
-def _recipe_shapes(docs, tokenizer, params, extra: list[dict]) -> tuple[int, dict]:
-    """(steps, {(rows, width): steps}) of the recipe a job with `params` builds."""
+def _recipe_shapes(docs, tokenizer, params, extra: list[dict],
+                   predicting: dict | None = None) -> tuple[int, dict]:
+    """(steps, {(rows, width): steps}) of the recipe a job with `params` builds; fills
+    `predicting` with {(rows, width): positions whose next token is a label}."""
     job = job_settings(docs, params, "", None, None)
     split = job_dataset(docs, tokenizer, job)
     recipe = FineTuneRecipe(object(), split.train_examples + extra, job.config, Path("/nowhere"))
     shapes: dict = {}
     for step in range(recipe.total_steps):
-        batch = recipe.batch_for_step(step)["input_ids"]
-        shapes[tuple(batch.shape)] = shapes.get(tuple(batch.shape), 0) + 1
+        batch = recipe.batch_for_step(step)
+        shape = tuple(batch["input_ids"].shape)
+        shapes[shape] = shapes.get(shape, 0) + 1
+        if predicting is not None:
+            labelled = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            predicting[shape] = predicting.get(shape, 0) + labelled
     return recipe.total_steps, shapes
 
 
@@ -40,9 +47,15 @@ def test_the_plan_is_the_recipes_own_batches(corpus_docs, smol_tokenizer, epochs
     n_words = sum(len(d.text.split()) for d in corpus_docs)
     params = default_params(n_words, 12, "lora") | {"epochs": epochs, "replay": 0}
     plan = count_work(corpus_docs, smol_tokenizer, params, "key")
-    steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, [])
+    predicting: dict = {}
+    steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, [], predicting)
     assert plan.steps == steps
     assert {(r, w): n for r, w, n in plan.shapes} == shapes
+    # The positions where the output layer runs, shape by shape: far fewer than all of them
+    # (the practice questions' prompts predict nothing).
+    assert {(r, w): p for (r, w, _), p in zip(plan.shapes, plan.predicting, strict=True)
+            } == predicting
+    assert sum(plan.predicting) < 0.6 * sum(r * w * n for r, w, n in plan.shapes)
     assert plan.epochs == epochs and plan.replay == 0
     assert plan.examples == plan.chunks + plan.qa + plan.practice > plan.practice > 100
     assert checked_plan(plan.model_dump(), "key") == plan  # what the app reads back
@@ -54,9 +67,15 @@ def test_replay_answers_are_counted_at_their_longest(corpus_docs, smol_tokenizer
     plan = count_work(corpus_docs, smol_tokenizer, params, "key")
     assert plan.replay == 16
     longest = planned_lengths(smol_tokenizer, 16, 256)
-    replay = [{"input_ids": [0] * n, "labels": [0] * n} for n in longest]
-    steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, replay)
+    answers = planned_predicting(smol_tokenizer, 16, 256)
+    replay = [{"input_ids": [0] * n, "labels": [IGNORE_INDEX] * (n - a) + [0] * a}
+              for n, a in zip(longest, answers, strict=True)]
+    predicting: dict = {}
+    steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, replay, predicting)
     assert plan.steps == steps and {(r, w): n for r, w, n in plan.shapes} == shapes
+    assert dict(zip([(r, w) for r, w, _ in plan.shapes], plan.predicting, strict=True)
+                ) == predicting
+    assert 0 < min(answers) and max(answers) < min(longest)
     # Most steps are short practice questions: far fewer padded tokens than 256 per row.
     padded = sum(r * w * n for r, w, n in plan.shapes)
     assert padded < 0.6 * 4 * 256 * plan.steps

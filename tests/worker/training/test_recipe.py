@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.worker.conftest_training import text_examples, tiny_model_dir
+from worker.dataset.corpus import IGNORE_INDEX
 from worker.training.batches import pad_batch
 from worker.training.engines import InMemoryEngine
 from worker.training.recipe import (
@@ -158,19 +159,28 @@ def test_batches_group_examples_of_similar_length(tiny_dir, tmp_path):
 
 
 def test_step_costs_follow_the_batches_the_run_takes(tiny_dir, tmp_path):
-    """The ETA weighs each step by its padded shape (step_lengths, also the dataset plan's
-    count): the same shapes as the batches batch_for_step builds, step by step."""
+    """The ETA weighs each step by its padded shape (step_members, also the dataset plan's
+    count) and its positions that predict a label (the output layer runs only there): the
+    same as the batches batch_for_step builds, step by step."""
     lengths = [5, 40, 7, 33, 12, 60, 9, 21, 50, 6, 15, 28, 44]
-    examples = [{"input_ids": [3] * n, "labels": [3] * n} for n in lengths]
+    # Every other example a practice question: loss on its last 3 tokens only.
+    examples = [{"input_ids": [3] * n,
+                 "labels": [3] * n if i % 2 else [IGNORE_INDEX] * (n - 3) + [3] * 3}
+                for i, n in enumerate(lengths)]
     r = FineTuneRecipe(load(tiny_dir), examples, config(epochs=3, max_seq_len=48), tmp_path,
                        pad_token_id=PAD)
     linear, attention = r._flops
-    assert linear > 0 and attention > 0
+    head = r._head_flops
+    assert linear > head > 0 and attention > 0
     costs = r.step_costs()
     assert len(costs) == r.total_steps == 15
     for step, cost in enumerate(costs):
-        rows, width = r.batch_for_step(step)["input_ids"].shape
-        assert cost == rows * width * (linear + attention * width)
+        batch = r.batch_for_step(step)
+        rows, width = batch["input_ids"].shape
+        predicting = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        assert predicting < rows * width
+        assert cost == pytest.approx(rows * width * (linear + attention * width)
+                                     - (rows * width - predicting) * head)
 
 
 def test_grad_accum_matches_one_big_batch(tiny_dir, examples):

@@ -66,3 +66,13 @@ def test_the_fastest_of_two_tries_and_the_middle_of_three_when_they_disagree():
     assert len(calls) == 3 and 0.055 <= taken < 0.3
     step, calls = _scripted([0.05])
     assert steady_seconds(step, 1) >= 0.045 and len(calls) == 1
+
+
+def test_the_output_layer_is_charged_only_where_a_label_is_predicted():
+    head = 1e8  # of FLOPS' linear part
+    whole = step_flops(FLOPS, 4, 64)
+    assert step_flops(FLOPS, 4, 64, None, head) == whole  # the timed run: every position
+    # 4 practice questions of 64 tokens, 40 positions predicting their answers: the output
+    # layer skips the other 216.
+    assert step_flops(FLOPS, 4, 64, 40, head) == pytest.approx(whole - 216 * head)
+    assert step_flops(FLOPS, 4, 64, 4 * 64, head) == pytest.approx(whole)
