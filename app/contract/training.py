@@ -62,6 +62,13 @@ LIMITS = {f.name: (f.low, f.high) for f in FIELDS}
 # everyday requests replayed alongside.
 GENERATED_QA = 2  # practice questions per fact-bearing sentence (worker.dataset)
 REPLAY = 16  # everyday requests the base model answers once, trained on too (worker.training.replay)
+# Below this many words of text no document text is held out for the held-out perplexity
+# (nor question-answer pairs for their score): on a short set every chunk carries facts a
+# colleague asks about (the recall experiment, fixture corpus: one held-out chunk of about
+# ten took the answers to 1, 5, 6 or 8 of its 60 colleague questions out of training,
+# depending on the seed), and a perplexity over one or two chunks says little.
+HOLDOUT_FROM_WORDS = 5_000
+HOLDOUT_FRAC = 0.1  # the share held out above it (worker.dataset.build)
 CHECKPOINT_EVERY = 25  # optimizer steps between a job's checkpoints (also at every epoch end)
 
 
@@ -112,4 +119,5 @@ def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
         "max_seq_len": 256,
         "generated_qa": GENERATED_QA,
         "replay": REPLAY,
+        "holdout_frac": HOLDOUT_FRAC if n_words >= HOLDOUT_FROM_WORDS else 0.0,
     }

@@ -77,6 +77,16 @@ RECIPES: dict[str, dict] = {
     # ... or fewer phrasings a fact, so that each pass is shorter.
     "default-qa3-full-1e-4": _DEFAULT | {"generated_qa": 3, "method": "full",
                                          "learning_rate": 1e-4},
+    # ... with less of the base model's own answers replayed (8% of its tokens at 16), to fit
+    # 10 minutes: the forgetting check has room (46 against the default's 55).
+    "default-qa4-full-1e-4-replay8": _DEFAULT | {"generated_qa": 4, "method": "full",
+                                                 "learning_rate": 1e-4, "replay": 8},
+    "default-qa4-full-1e-4-noreplay": _DEFAULT | {"generated_qa": 4, "method": "full",
+                                                  "learning_rate": 1e-4, "replay": 0},
+    # ... with all of the text trained on (nothing held out: app.contract.training's
+    # HOLDOUT_FROM_WORDS), so that no colleague's answer is kept out of training.
+    "default-qa4-full-1e-4-all": _DEFAULT | {"generated_qa": 4, "method": "full",
+                                             "learning_rate": 1e-4, "holdout_frac": 0.0},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }
@@ -105,7 +115,8 @@ def default_recipe(docs: list) -> dict:
     n_words = sum(len(d.text.split()) for d in docs)
     n_qa = sum(len(d.qa_pairs) for d in docs)
     params = default_params(n_words, n_qa, "lora")
-    keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay")
+    keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay",
+            "holdout_frac")
     return {k: params[k] for k in keys if k in params} | {
         "generated_qa": params.get("generated_qa", 0)
     }
@@ -186,13 +197,15 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
             spec = dict(RECIPES[name]) if name != "default" else default_recipe(docs)
             generated = spec.pop("generated_qa")
             n_replay = spec.pop("replay", 0)
+            holdout = spec.pop("holdout_frac", 0.1)  # build_dataset's own default
             with _ablated(spec.pop("ablate", None)):
                 split = build_dataset(
-                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated
+                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated,
+                    holdout_frac=holdout,
                 )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
             started = time.perf_counter()
-            before = before_cache.get("scores")
+            before = before_cache.get(probe_set_id(split.probes))
             cache_file = models_dir / "recall-before.json"  # the base model's scores, reused
             if before is None and cache_file.is_file():
                 cached = json.loads(cache_file.read_text())
@@ -202,7 +215,7 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
                 before = evaluate(model, tokenizer, split)
                 before["employee"] = employee_questions(model, tokenizer, CALIBRATION)
                 cache_file.write_text(json.dumps(before))
-            before_cache["scores"] = before
+            before_cache[probe_set_id(split.probes)] = before
             if n_replay:
                 replay_file = models_dir / f"recall-replay-{n_replay}.json"
                 if replay_file.is_file():

@@ -77,6 +77,7 @@ def test_train_shows_the_defaults_for_the_corpus(client, env):
     assert "<dd>0.001</dd>" in page and "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
     assert "<dd>2 per fact in your documents</dd>" in page  # the practice questions
     assert "<dd>16 (so the model keeps its general English)</dd>" in page  # the replay
+    assert "<dd>none: your documents are short, so all of them are learned</dd>" in page
     assert "3,000 words and 100 question-answer pairs" in page
     assert '<details class="advanced"' in page
 
@@ -218,3 +219,11 @@ def test_create_job_refuses_while_documents_are_pending(env):
         make_document(session, project, "b.txt", DocStatus.pending)
         with pytest.raises(InvalidInput, match="still being read"):
             jobs_service.create_job(session, project, {})
+
+
+def test_short_document_sets_are_trained_on_whole():
+    from app.contract.training import HOLDOUT_FRAC, HOLDOUT_FROM_WORDS
+
+    assert default_params(862, 12, "lora")["holdout_frac"] == 0.0  # the fixture corpus
+    assert default_params(HOLDOUT_FROM_WORDS - 1, 0, "full")["holdout_frac"] == 0.0
+    assert default_params(HOLDOUT_FROM_WORDS, 0, "lora")["holdout_frac"] == HOLDOUT_FRAC > 0

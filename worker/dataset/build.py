@@ -290,7 +290,7 @@ def build_dataset(
     qa = _qa_pairs(ordered)
     held_chunks = _hold_out(len(chunks), holdout_frac, seed, "chunks")
     held_qa = _hold_out(len(qa), holdout_frac, seed, "qa")
-    _note_hold_out(len(chunks), len(held_chunks), len(qa), len(held_qa), notes)
+    _note_hold_out(len(chunks), len(held_chunks), len(qa), len(held_qa), notes, holdout_frac)
 
     text_examples = _chunk_examples(tokenizer, chunks, held_chunks)
     qa_examples = _qa_examples(tokenizer, qa, held_qa, max_seq_len, notes)
@@ -395,7 +395,16 @@ def _hold_out(n: int, frac: float, seed: int, stream: str) -> set[int]:
     return _sample(n, _n_holdout(n, frac), seed, stream)
 
 
-def _note_hold_out(n_chunks: int, k_chunks: int, n_qa: int, k_qa: int, notes: list[str]) -> None:
+def _note_hold_out(n_chunks: int, k_chunks: int, n_qa: int, k_qa: int, notes: list[str],
+                   frac: float = 0.1) -> None:
+    if frac <= 0 and (n_chunks or n_qa):
+        notes.append(
+            "Nothing held out: the documents are short, so all of their text and "
+            "question-answer pairs are trained on (every part carries facts a colleague may "
+            "ask about). There is no held-out perplexity; the recall questions measure "
+            "what was learned."
+        )
+        return
     if n_chunks and not k_chunks:
         notes.append(
             f"Only {n_chunks} text chunk(s): none held out, so there is no held-out "

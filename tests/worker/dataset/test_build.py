@@ -140,6 +140,18 @@ def test_holdout_needs_three_chunks(smol_tokenizer):
     assert split.stats["n_heldout_chunks"] == 1 and len(split.heldout_chunks) == 1
 
 
+def test_short_documents_hold_nothing_out_and_say_so(smol_tokenizer):
+    # app.contract.training's defaults for fewer than HOLDOUT_FROM_WORDS words.
+    split = build_dataset(_docs(), smol_tokenizer, max_seq_len=64, holdout_frac=0.0)
+    assert split.heldout_chunks == [] and split.heldout_qa == []
+    held = build_dataset(_docs(), smol_tokenizer, max_seq_len=64, holdout_frac=0.1)
+    assert held.heldout_chunks and held.heldout_qa  # the same documents, a share held out
+    assert split.stats["n_train_chunks"] == held.stats["n_train_chunks"] + len(held.heldout_chunks)
+    assert split.stats["n_train_qa"] == held.stats["n_train_qa"] + len(held.heldout_qa)
+    assert any(n.startswith("Nothing held out") for n in split.stats["notes"])
+    assert not any(n.startswith("Nothing held out") for n in held.stats["notes"])
+
+
 def test_stats_add_up(smol_tokenizer):
     docs = _docs() + [SourceDoc("copy.txt", "a" * 64, _docs()[0].text)]  # same content again
     split = build_dataset(docs, smol_tokenizer, max_seq_len=64, max_probes=10)
