@@ -16,6 +16,7 @@ measures for each:
 
     .venv/bin/python -m scripts.experiments.recall                 # the app's defaults
     .venv/bin/python -m scripts.experiments.recall --recipes text,qa2-lr1e-3
+    .venv/bin/python -m scripts.experiments.recall --seeds 0,1,2   # mean and range per recipe
 
 Run from the repository root (it imports the fixture corpus from tests/). Prints a table,
 then one JSON line with every figure. Same code path as a job: build_dataset,
@@ -325,23 +326,72 @@ def main(argv: list[str] | None = None) -> int:
         default=str(Path.home() / ".cache" / "doctune-tests"),
         help="where the embedded model is converted once",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds: each recipe runs once per seed (the seed also picks the "
+        "held-out share and the order of the batches); a summary row per recipe gives the "
+        "mean and the range (one run is worth about +-5 colleague questions)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     unknown = [n for n in names if n not in RECIPES and n != "default"]
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
+    try:
+        seeds = [args.seed] if args.seed is not None else [
+            int(x) for x in args.seeds.split(",") if x.strip()
+        ]
+    except ValueError:
+        parser.error("--seeds takes whole numbers separated by commas, e.g. 0,1,2")
     print(HEADER, flush=True)
-    results = run(names, Path(args.models_dir), seed=args.seed)
-    b = results["before"]
-    print(
-        f"{'(base model)':<18} {b['employee']:>9} {b['employee_text']:>7} "
-        f"{b['probe_questions']:>9} {b['gap_points']:>6} {b['completions']:>9} "
-        f"{b['heldout_ppl']!s:>7} "
-        f"{b['general_ppl']!s:>8} {'-':>8}"
-    )
-    print(json.dumps(results, ensure_ascii=False))
+    runs = {}
+    for seed in seeds:
+        print(f"# seed {seed}", flush=True)
+        runs[seed] = run(names, Path(args.models_dir), seed=seed)
+        b = runs[seed]["before"]
+        print(
+            f"{'(base model)':<18} {b['employee']:>9} {b['employee_text']:>7} "
+            f"{b['probe_questions']:>9} {b['gap_points']:>6} {b['completions']:>9} "
+            f"{b['heldout_ppl']!s:>7} "
+            f"{b['general_ppl']!s:>8} {'-':>8}"
+        )
+    summary = summarize(runs)
+    if len(seeds) > 1:
+        print(f"# over seeds {', '.join(map(str, seeds))}: colleague mean (range), gap mean "
+              "(largest), general mean, minutes mean")
+        for name, row in summary.items():
+            print(f"{name:<18} {row['colleague_mean']:>6.1f}/{row['n']} "
+                  f"({row['colleague_min']}-{row['colleague_max']}) gap {row['gap_mean']:+.1f} "
+                  f"({row['gap_largest']:+.1f}) general {row['general_mean']:.2f} "
+                  f"minutes {row['minutes_mean']:.2f}")
+    results = runs[seeds[0]] if len(seeds) == 1 else {"seeds": runs}
+    print(json.dumps(results | {"summary": summary}, ensure_ascii=False))
     return 0
+
+
+def summarize(runs: dict[int, dict]) -> dict[str, dict]:
+    """Per recipe over the seeds run: the colleague score's mean and range, the card's gap
+    (mean and the one furthest from 0), general perplexity and training minutes (means)."""
+    out: dict[str, dict] = {}
+    names = {n for r in runs.values() for n in r["recipes"]}
+    for name in sorted(names):
+        rows = [r["recipes"][name] for r in runs.values() if name in r["recipes"]]
+        hits = [int(x["after"]["employee"].split("/")[0]) for x in rows]
+        gaps = [float(x["after"]["gap_points"]) for x in rows]
+        out[name] = {
+            "runs": len(rows),
+            "n": int(rows[0]["after"]["employee"].split("/")[1]),
+            "colleague_mean": sum(hits) / len(hits),
+            "colleague_min": min(hits),
+            "colleague_max": max(hits),
+            "gap_mean": sum(gaps) / len(gaps),
+            "gap_largest": max(gaps, key=abs),
+            "general_mean": sum(float(x["after"]["general_ppl"]) for x in rows) / len(rows),
+            "minutes_mean": sum(float(x["train_minutes"]) for x in rows) / len(rows),
+        }
+    return out
 
 
 if __name__ == "__main__":

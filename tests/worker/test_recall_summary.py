@@ -1,0 +1,29 @@
+"""The recall experiment's summary over seeds (scripts/experiments/recall.py): one run is worth
+about +-5 colleague questions, so recipes are compared by their mean and range."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.experiments.recall import summarize
+
+
+def _run(hits: int, gap: float, general: float, minutes: float) -> dict:
+    return {"after": {"employee": f"{hits}/60", "gap_points": gap, "general_ppl": general},
+            "train_minutes": minutes}
+
+
+def test_mean_range_and_the_gap_furthest_from_zero():
+    runs = {
+        0: {"recipes": {"full": _run(35, 5.7, 46.4, 10.45), "lora": _run(19, 4.3, 54.8, 9.0)}},
+        1: {"recipes": {"full": _run(23, 25.7, 49.0, 10.0)}},
+        2: {"recipes": {"full": _run(26, -12.0, 46.6, 10.5)}},
+    }
+    s = summarize(runs)
+    assert s["full"]["runs"] == 3 and s["full"]["n"] == 60
+    assert s["full"]["colleague_mean"] == pytest.approx(28.0)
+    assert (s["full"]["colleague_min"], s["full"]["colleague_max"]) == (23, 35)
+    assert s["full"]["gap_mean"] == pytest.approx((5.7 + 25.7 - 12.0) / 3)
+    assert s["full"]["gap_largest"] == 25.7
+    assert s["full"]["minutes_mean"] == pytest.approx(10.3167, rel=1e-3)
+    assert s["lora"]["runs"] == 1 and s["lora"]["colleague_mean"] == 19
