@@ -49,14 +49,17 @@ def _one_process(tmp_path: Path, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
-def test_two_stages_are_bitwise_one_process(tmp_path, mode):
+def test_two_stages_are_one_process(tmp_path, mode):
     """Full fine-tuning and LoRA, clipping on, two micro-batches: the pipeline's forward
-    gives one process's logits, and its losses and trained weights are one process's, bit
-    for bit (the gradient norm is gathered from both stages in the model's order)."""
+    gives one process's logits, and its trained weights are one process's, bit for bit (the
+    gradient norm is gathered from both stages in the model's order); its losses are one
+    process's to float32 rounding: one process runs the output layer only at the positions
+    that predict a label (worker/training/engines.lm_loss_sum), the pipeline's last stage at
+    every position, so the loss's sum adds up in another order."""
     two = _stages(tmp_path, mode)
     one = _one_process(tmp_path, mode)
     assert torch.equal(two["logits"], one["logits"])
-    assert two["losses"] == one["losses"]
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-6)
     assert_same_weights(one["weights"], two["weights"])
     start = {n: p for n, p in _pp_proc.build(mode).named_parameters() if p.requires_grad}
     assert any(not torch.equal(start[k], v) for k, v in two["weights"].items())
