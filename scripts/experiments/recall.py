@@ -39,6 +39,8 @@ import torch
 _QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
 _LR1 = _QA2 | {"learning_rate": 1e-3}
 _DEFAULT = _LR1 | {"replay": 16}  # the app's default on this corpus (app.contract.training)
+# Full fine-tuning at lr 1e-4 on 4 phrasings a fact, 4 epochs: the base of its variants.
+_FULL = _DEFAULT | {"generated_qa": 4, "method": "full", "learning_rate": 1e-4}
 
 RECIPES: dict[str, dict] = {
     # The defaults before this measurement: document text only.
@@ -68,26 +70,19 @@ RECIPES: dict[str, dict] = {
     "default-qa4-r32": _DEFAULT | {"generated_qa": 4, "lora_rank": 32},
     # Full fine-tuning on the same examples (issue 13: against LoRA at the same budget).
     "default-qa4-full": _DEFAULT | {"generated_qa": 4, "method": "full", "learning_rate": 5e-5},
-    "default-qa4-full-1e-4": _DEFAULT | {"generated_qa": 4, "method": "full",
-                                         "learning_rate": 1e-4},
+    "default-qa4-full-1e-4": _FULL,
     # ... in at most 10 minutes of training (issue 13's limit): 3 passes instead of 4.
-    "default-qa4-full-1e-4-e3": _DEFAULT | {"generated_qa": 4, "method": "full",
-                                            "learning_rate": 1e-4, "epochs": 3},
-    "default-qa4-full-2e-4-e3": _DEFAULT | {"generated_qa": 4, "method": "full",
-                                            "learning_rate": 2e-4, "epochs": 3},
+    "default-qa4-full-1e-4-e3": _FULL | {"epochs": 3},
+    "default-qa4-full-2e-4-e3": _FULL | {"learning_rate": 2e-4, "epochs": 3},
     # ... or fewer phrasings a fact, so that each pass is shorter.
-    "default-qa3-full-1e-4": _DEFAULT | {"generated_qa": 3, "method": "full",
-                                         "learning_rate": 1e-4},
+    "default-qa3-full-1e-4": _FULL | {"generated_qa": 3},
     # ... with less of the base model's own answers replayed (8% of its tokens at 16), to fit
     # 10 minutes: the forgetting check has room (46 against the default's 55).
-    "default-qa4-full-1e-4-replay8": _DEFAULT | {"generated_qa": 4, "method": "full",
-                                                 "learning_rate": 1e-4, "replay": 8},
-    "default-qa4-full-1e-4-noreplay": _DEFAULT | {"generated_qa": 4, "method": "full",
-                                                  "learning_rate": 1e-4, "replay": 0},
+    "default-qa4-full-1e-4-replay8": _FULL | {"replay": 8},
+    "default-qa4-full-1e-4-noreplay": _FULL | {"replay": 0},
     # ... with all of the text trained on (nothing held out: app.contract.training's
     # HOLDOUT_FROM_WORDS), so that no colleague's answer is kept out of training.
-    "default-qa4-full-1e-4-all": _DEFAULT | {"generated_qa": 4, "method": "full",
-                                             "learning_rate": 1e-4, "holdout_frac": 0.0},
+    "default-qa4-full-1e-4-all": _FULL | {"holdout_frac": 0.0},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
 }
