@@ -17,6 +17,11 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall                 # the app's defaults
     .venv/bin/python -m scripts.experiments.recall --recipes text,qa2-lr1e-3
     .venv/bin/python -m scripts.experiments.recall --seeds 0,1,2   # mean and range per recipe
+    .venv/bin/python -m scripts.experiments.recall --recipes default+generated_qa=4+epochs=6
+
+A recipe is a name below or `default` (the app's defaults for this corpus), each optionally
+followed by `+setting=value` overrides. `--device cuda` trains and asks on a GPU (to screen
+recipes quickly; the figures for the README come from the CPU).
 
 Run from the repository root (it imports the fixture corpus from tests/). Prints a table,
 then one JSON line with every figure. Same code path as a job: build_dataset,
@@ -118,6 +123,25 @@ def default_recipe(docs: list) -> dict:
     }
 
 
+def recipe_spec(name: str, docs: list) -> dict:
+    """The settings of a recipe name: `default` or a RECIPES key, then `+key=value` overrides
+    (values read as JSON where they parse: numbers, true/false)."""
+    base, *overrides = name.split("+")
+    spec = dict(RECIPES[base]) if base != "default" else default_recipe(docs)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        try:
+            spec[key] = json.loads(value)
+        except json.JSONDecodeError:
+            spec[key] = value
+    return spec
+
+
+def _known(name: str) -> bool:
+    base, *overrides = name.split("+")
+    return (base == "default" or base in RECIPES) and all("=" in o for o in overrides)
+
+
 def load_corpus(folder: Path) -> list:
     """The fixture corpus as the worker sees it after extraction."""
     from app.filetypes import kind_for_filename
@@ -170,7 +194,7 @@ def employee_questions(model, tokenizer, facts) -> dict:
     }
 
 
-def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
+def run(recipes: list[str], models_dir: Path, seed: int = 0, device: str = "cpu") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.fixtures.docs import CALIBRATION
@@ -190,7 +214,8 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
     with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
         docs = load_corpus(Path(tmp) / "corpus")
         for name in recipes:
-            spec = dict(RECIPES[name]) if name != "default" else default_recipe(docs)
+            spec = recipe_spec(name, docs)
+            settings = dict(spec)
             generated = spec.pop("generated_qa")
             n_replay = spec.pop("replay", 0)
             holdout = spec.pop("holdout_frac", 0.1)  # build_dataset's own default
@@ -199,7 +224,7 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated,
                     holdout_frac=holdout,
                 )
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
             started = time.perf_counter()
             before = before_cache.get(probe_set_id(split.probes))
             cache_file = models_dir / "recall-before.json"  # the base model's scores, reused
@@ -247,7 +272,7 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0) -> dict:
             after["employee"] = employee_questions(model, tokenizer, CALIBRATION)
             results["before"] = _summary(before)
             results["recipes"][name] = {
-                "settings": RECIPES.get(name) or default_recipe(docs),
+                "settings": settings,
                 "train_minutes": round(metrics["train_seconds"] / 60, 2),
                 "tokens_per_s": round(metrics["tokens_per_s"], 1),
                 "steps": metrics["steps"],
@@ -328,10 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         "held-out share and the order of the batches); a summary row per recipe gives the "
         "mean and the range (one run is worth about +-5 colleague questions)",
     )
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda to screen recipes on a GPU")
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
-    unknown = [n for n in names if n not in RECIPES and n != "default"]
+    unknown = [n for n in names if not _known(n)]
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {list(RECIPES)}")
     try:
@@ -344,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {}
     for seed in seeds:
         print(f"# seed {seed}", flush=True)
-        runs[seed] = run(names, Path(args.models_dir), seed=seed)
+        runs[seed] = run(names, Path(args.models_dir), seed=seed, device=args.device)
         b = runs[seed]["before"]
         print(
             f"{'(base model)':<18} {b['employee']:>9} {b['employee_text']:>7} "

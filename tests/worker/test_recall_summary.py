@@ -27,3 +27,13 @@ def test_mean_range_and_the_gap_furthest_from_zero():
     assert s["full"]["gap_largest"] == 25.7
     assert s["full"]["minutes_mean"] == pytest.approx(10.3167, rel=1e-3)
     assert s["lora"]["runs"] == 1 and s["lora"]["colleague_mean"] == 19
+
+
+def test_a_recipe_name_takes_overrides_of_the_defaults():
+    from scripts.experiments.recall import _known, recipe_spec
+
+    docs = []  # no documents: the defaults of an empty corpus
+    spec = recipe_spec("default+generated_qa=4+epochs=6+method=full", docs)
+    assert (spec["generated_qa"], spec["epochs"], spec["method"]) == (4, 6, "full")
+    assert recipe_spec("qa2+learning_rate=0.002", docs)["learning_rate"] == 0.002
+    assert _known("default+epochs=5") and not _known("nonesuch") and not _known("default+epochs")

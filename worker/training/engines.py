@@ -46,12 +46,29 @@ def lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
 
 
 def _keeps_logits(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (transformers' causal LMs do; a
-    PEFT wrapper passes it on)."""
+    """Whether the model's forward slices its hidden states by a boolean `logits_to_keep`
+    mask of (rows, positions). Transformers' causal LMs take `logits_to_keep` (a PEFT wrapper
+    passes it on), but only releases whose modeling code slices through
+    `slice_logits_to_keep` accept a mask; older ones (5.17, on the GPU machine, raised an
+    IndexError after the whole forward) get every position's logits instead."""
     import inspect
+    import sys
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
+        return False
+    helper = getattr(sys.modules.get(type(base).__module__), "slice_logits_to_keep", None)
+    return helper is not None and _slices_by_mask(helper)
+
+
+def _slices_by_mask(helper) -> bool:
+    """The helper keeps the True positions of a (rows, positions) mask."""
+    hidden = torch.arange(6.0).reshape(1, 3, 2)
+    try:
+        kept = helper(hidden, torch.tensor([[False, True, True]]))
+    except (IndexError, RuntimeError, TypeError):
+        return False
+    return kept.shape == (2, 2) and bool((kept == hidden[0, 1:]).all())
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -124,6 +141,7 @@ class InMemoryEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_linear_decay(total_steps, warmup_steps)
         )
+        self.device = next(iter(self.trainable.values())).device  # batches go where it is
         self.steps_done = 0
         self.rank, self.world_size = 0, 1  # one process (data parallel: the offload engine)
 
@@ -140,7 +158,7 @@ class InMemoryEngine:
         n = batch["input_ids"].size(0)
         size = math.ceil(n / self.grad_accum)
         for start in range(0, n, size):
-            micro = {k: v[start : start + size] for k, v in batch.items()}
+            micro = {k: v[start : start + size].to(self.device) for k, v in batch.items()}
             loss = lm_loss_sum(self.model, micro) / denom
             loss.backward()
             total += loss.item()
