@@ -53,6 +53,7 @@ out = {
     "pytest_exit": rc,
     "seconds": seconds,
     "torch": torch.__version__,
+    "transformers": __import__("transformers").__version__,
     "cuda_available": torch.cuda.is_available(),
     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
 }

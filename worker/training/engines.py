@@ -11,8 +11,11 @@ load_checkpoint(dir) (files in a directory the recipe owns), telemetry(), close(
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -51,13 +54,16 @@ def _keeps_logits(model: torch.nn.Module) -> bool:
     passes it on), but only releases whose modeling code slices through
     `slice_logits_to_keep` accept a mask; older ones (5.17, on the GPU machine, raised an
     IndexError after the whole forward) get every position's logits instead."""
-    import inspect
-    import sys
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if "logits_to_keep" not in inspect.signature(base.forward).parameters:
-        return False
     helper = getattr(sys.modules.get(type(base).__module__), "slice_logits_to_keep", None)
+    return _class_keeps_logits(type(base), helper)
+
+
+@functools.cache
+def _class_keeps_logits(cls: type, helper) -> bool:
+    """_keeps_logits for a model class and its module's helper (asked once, not each step)."""
+    if "logits_to_keep" not in inspect.signature(cls.forward).parameters:
+        return False
     return helper is not None and _slices_by_mask(helper)
 
 
