@@ -129,7 +129,9 @@ def recipe_spec(name: str, docs: list) -> dict:
     base, *overrides = name.split("+")
     spec = dict(RECIPES[base]) if base != "default" else default_recipe(docs)
     for item in overrides:
-        key, _, value = item.partition("=")
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"{item!r} is not setting=value")
         try:
             spec[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -138,8 +140,11 @@ def recipe_spec(name: str, docs: list) -> dict:
 
 
 def _known(name: str) -> bool:
-    base, *overrides = name.split("+")
-    return (base == "default" or base in RECIPES) and all("=" in o for o in overrides)
+    try:
+        recipe_spec(name, [])
+    except (KeyError, ValueError):
+        return False
+    return True
 
 
 def load_corpus(folder: Path) -> list:
@@ -218,25 +223,26 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0, device: str = "cpu"
             settings = dict(spec)
             generated = spec.pop("generated_qa")
             n_replay = spec.pop("replay", 0)
-            holdout = spec.pop("holdout_frac", 0.1)  # build_dataset's own default
+            # build_dataset's own hold-out unless the recipe names one
+            held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             with _ablated(spec.pop("ablate", None)):
                 split = build_dataset(
-                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated,
-                    holdout_frac=holdout,
+                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
                 )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
             started = time.perf_counter()
-            before = before_cache.get(probe_set_id(split.probes))
+            probe_set = probe_set_id(split.probes)
+            before = before_cache.get(probe_set)
             cache_file = models_dir / "recall-before.json"  # the base model's scores, reused
             if before is None and cache_file.is_file():
                 cached = json.loads(cache_file.read_text())
-                if cached.get("probe_set") == probe_set_id(split.probes):
+                if cached.get("probe_set") == probe_set:
                     before = cached
             if before is None:
                 before = evaluate(model, tokenizer, split)
                 before["employee"] = employee_questions(model, tokenizer, CALIBRATION)
                 cache_file.write_text(json.dumps(before))
-            before_cache[probe_set_id(split.probes)] = before
+            before_cache[probe_set] = before
             if n_replay:
                 replay_file = models_dir / f"recall-replay-{n_replay}.json"
                 if replay_file.is_file():

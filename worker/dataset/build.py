@@ -396,7 +396,7 @@ def _hold_out(n: int, frac: float, seed: int, stream: str) -> set[int]:
 
 
 def _note_hold_out(n_chunks: int, k_chunks: int, n_qa: int, k_qa: int, notes: list[str],
-                   frac: float = 0.1) -> None:
+                   frac: float) -> None:
     if frac <= 0 and (n_chunks or n_qa):
         notes.append(
             "Nothing held out: the documents are short, so all of their text and "
