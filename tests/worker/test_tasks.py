@@ -242,6 +242,14 @@ def _pool_processes(worker: WorkerProcess) -> list[int]:
     return found
 
 
+def _reading_is_active() -> bool:
+    """Whether the worker's main process lists a running task (remote control: inspect)."""
+    from app.queue import celery_client
+
+    active = celery_client.control.inspect(timeout=1.0).active() or {}
+    return any(active.values())
+
+
 def test_a_file_whose_reading_kills_its_worker_fails_once_not_forever(tmp_path, celery_worker):
     # Finding 5: the pool process reading a file dies (as the OOM killer would end it).
     # acks_late + reject_on_worker_lost deliver the task again at once; the redelivery finds
@@ -252,11 +260,16 @@ def test_a_file_whose_reading_kills_its_worker_fails_once_not_forever(tmp_path, 
     pid = _project("killer")
     (doc_id,) = _add(pid, [hostile.make_long_pdf(tmp_path / "slow.pdf", 1500)])
     wait_for(lambda: _doc(doc_id).read_attempts == 1, 60, "the reading to start")
+    # The pool process writes the attempt when it starts the task, before the worker's main
+    # process has heard that it accepted it. A kill in between is, as far as we can tell, why
+    # two full CI runs on the 2-core AMD EPYC waited in vain (60 and 150 s): the main process
+    # requeues at once only a task it counts as active; an unknown one waits for the broker's
+    # visibility timeout. So the kill waits until the worker lists the task as active.
+    wait_for(_reading_is_active, 60, "the worker to count the reading as active")
     pool = _pool_processes(celery_worker)
     assert len(pool) == 1
     os.kill(pool[0], signal.SIGKILL)
-    # 5-8 s alone; once, in a full CI run on the 2-core AMD EPYC, no verdict came within 60 s
-    # (cause not found: the redelivery waits for a replacement pool process to start).
+    # 5-8 s alone.
     row = wait_for(lambda: (x := _doc(doc_id)).status != DocStatus.pending and x, 150, "a verdict")
     assert row.status == DocStatus.failed and row.error == READ_BEFORE
     assert row.read_attempts == 1  # read once, never again
