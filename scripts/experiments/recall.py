@@ -199,13 +199,23 @@ def employee_questions(model, tokenizer, facts) -> dict:
     }
 
 
-def run(recipes: list[str], models_dir: Path, seed: int = 0, device: str = "cpu") -> dict:
+def run(
+    recipes: list[str],
+    models_dir: Path,
+    seed: int = 0,
+    device: str = "cpu",
+    blends: tuple[float, ...] = (1.0,),
+) -> dict:
+    """Each recipe trained once and asked at each blend (worker.training.blend: 1 is the
+    tuned model, less moves its weights back towards the base model's); a blend below 1 is
+    reported as `recipe@blend`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.fixtures.docs import CALIBRATION
     from worker.dataset.build import build_dataset
     from worker.scoring.evaluate import evaluate, probe_set_id
     from worker.training.base_model import ensure_embedded_model
+    from worker.training.blend import Blend
     from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
     from worker.training.replay import replay_examples, replay_pairs
     from worker.training.resources import configure_threads
@@ -230,6 +240,8 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0, device: str = "cpu"
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
                 )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+            blend_full = spec.get("method") == "full" and tuple(blends) != (1.0,)
+            base_state = {k: v.clone() for k, v in model.state_dict().items()} if blend_full else None
             started = time.perf_counter()
             probe_set = probe_set_id(split.probes)
             before = before_cache.get(probe_set)
@@ -274,26 +286,31 @@ def run(recipes: list[str], models_dir: Path, seed: int = 0, device: str = "cpu"
             metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)
-            after = evaluate(model, tokenizer, split)
-            after["employee"] = employee_questions(model, tokenizer, CALIBRATION)
+            blend = Blend(model, base_state) if tuple(blends) != (1.0,) else None
             results["before"] = _summary(before)
-            results["recipes"][name] = {
-                "settings": settings,
-                "train_minutes": round(metrics["train_seconds"] / 60, 2),
-                "tokens_per_s": round(metrics["tokens_per_s"], 1),
-                "steps": metrics["steps"],
-                "n_train_examples": len(split.train_examples),
-                "n_train_tokens": sum(len(e["input_ids"]) for e in split.train_examples),
-                "final_loss": metrics["final_loss"],
-                "first_eval_seconds": round(eval_s, 1),
-                "after": _summary(after),
-                "employee_items": after["employee"]["items"],
-                "card_items": [
-                    {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
-                    for q in after["questions"]["items"]
-                ],
-            }
-            print(_row(name, results["recipes"][name]), flush=True)
+            for share in blends:
+                if blend is not None:
+                    blend.set(share)
+                after = evaluate(model, tokenizer, split)
+                after["employee"] = employee_questions(model, tokenizer, CALIBRATION)
+                label = name if share == 1.0 else f"{name}@{share:g}"
+                results["recipes"][label] = {
+                    "settings": settings | {"blend": share},
+                    "train_minutes": round(metrics["train_seconds"] / 60, 2),
+                    "tokens_per_s": round(metrics["tokens_per_s"], 1),
+                    "steps": metrics["steps"],
+                    "n_train_examples": len(split.train_examples),
+                    "n_train_tokens": sum(len(e["input_ids"]) for e in split.train_examples),
+                    "final_loss": metrics["final_loss"],
+                    "first_eval_seconds": round(eval_s, 1),
+                    "after": _summary(after),
+                    "employee_items": after["employee"]["items"],
+                    "card_items": [
+                        {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
+                        for q in after["questions"]["items"]
+                    ],
+                }
+                print(_row(label, results["recipes"][label]), flush=True)
             print(
                 f"# {name}: before eval {eval_s:.0f} s, train {metrics['train_seconds']:.0f} s",
                 file=sys.stderr,
@@ -360,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
         "mean and the range (one run is worth about +-5 colleague questions)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda to screen recipes on a GPU")
+    parser.add_argument(
+        "--blends",
+        default="1",
+        help="comma-separated shares between 0 and 1: each trained model is also asked with "
+        "its weights moved back towards the base model's (worker.training.blend; 1 = as tuned)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
@@ -372,11 +395,19 @@ def main(argv: list[str] | None = None) -> int:
         ]
     except ValueError:
         parser.error("--seeds takes whole numbers separated by commas, e.g. 0,1,2")
+    try:
+        blends = tuple(float(x) for x in args.blends.split(",") if x.strip())
+    except ValueError:
+        parser.error("--blends takes numbers separated by commas, e.g. 1,0.8,0.6")
+    if not blends or not all(0 <= b <= 1 for b in blends):
+        parser.error("--blends takes shares between 0 and 1")
     print(HEADER, flush=True)
     runs = {}
     for seed in seeds:
         print(f"# seed {seed}", flush=True)
-        runs[seed] = run(names, Path(args.models_dir), seed=seed, device=args.device)
+        runs[seed] = run(
+            names, Path(args.models_dir), seed=seed, device=args.device, blends=blends
+        )
         b = runs[seed]["before"]
         print(
             f"{'(base model)':<18} {b['employee']:>9} {b['employee_text']:>7} "
