@@ -60,16 +60,22 @@ def document_text(doc: Document) -> str:
     return path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
 
 
+def passages_of(body: str, pairs: list) -> list[str]:
+    """A document's passages: its text cut by split_passages, then each question-answer
+    pair (from a Q&A file) as one passage of its own."""
+    found = split_passages(body)
+    return found + [f"Q: {q}\nA: {a}" for q, a in pairs if isinstance(q, str) and isinstance(a, str)]
+
+
 def _document_passages(doc: Document) -> list[str]:
-    found: list[str] = split_passages(document_text(doc))
     qa = qa_file(settings.documents_dir, doc.stored_name)
+    pairs = []
     if qa.is_file():
         try:
             pairs = json.loads(qa.read_text(encoding="utf-8"))
         except ValueError:
-            pairs = []
-        found += [f"Q: {q}\nA: {a}" for q, a in pairs if isinstance(q, str) and isinstance(a, str)]
-    return found
+            pass
+    return passages_of(document_text(doc), pairs if isinstance(pairs, list) else [])
 
 
 def index_project(session: Session, project: Project) -> int:
@@ -91,6 +97,12 @@ def _terms(question: str) -> list[str]:
     return list(dict.fromkeys(w.lower() for w in _WORD.findall(question)))[:64]
 
 
+def fts5_query(question: str) -> str:
+    """The question as an SQLite FTS5 MATCH expression: its words ORed, each a quoted term
+    ("" when it has none)."""
+    return " OR ".join('"' + t.replace('"', '""') + '"' for t in _terms(question))
+
+
 @dataclass(frozen=True)
 class Found:
     passage_id: int
@@ -106,7 +118,7 @@ def search(session: Session, project: Project, question: str, k: int = TOP_K) ->
     if not terms:
         return []
     if session.get_bind().dialect.name == "sqlite":
-        query = " OR ".join('"' + t.replace('"', '""') + '"' for t in terms)
+        query = fts5_query(question)
         rows = session.execute(text(
             "SELECT p.id FROM passages_fts JOIN passages p ON p.id = passages_fts.rowid "
             "JOIN documents d ON d.id = p.document_id "

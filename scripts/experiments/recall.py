@@ -18,6 +18,7 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --recipes text,qa2-lr1e-3
     .venv/bin/python -m scripts.experiments.recall --seeds 0,1,2   # mean and range per recipe
     .venv/bin/python -m scripts.experiments.recall --recipes default+generated_qa=4+epochs=6
+    .venv/bin/python -m scripts.experiments.recall --blends 1,0.8,0.6  # + blended back
 
 A recipe is a name below or `default` (the app's defaults for this corpus), each optionally
 followed by `+setting=value` overrides. `--device cuda` trains and asks on a GPU (to screen
@@ -162,14 +163,16 @@ def load_corpus(folder: Path) -> list:
     return docs
 
 
-def employee_questions(model, tokenizer, facts) -> dict:
+def employee_questions(model, tokenizer, facts, library=None) -> dict:
     """The calibration questions asked in chat; hits split by where the answer lives and by
-    how the question is put (Fact.kind)."""
+    how the question is put (Fact.kind). With a `library` (scripts.experiments.open_book) each
+    question is asked as the chat's "Use my documents" asks it, the passages found before it."""
     from worker.dataset.build import qa_prompt_ids
     from worker.dataset.probes import contains_answer
     from worker.scoring.evaluate import generate
 
-    outputs = generate(model, tokenizer, [qa_prompt_ids(tokenizer, f.question) for f in facts], 48)
+    asked = [library.prompt(f.question)[0] if library else f.question for f in facts]
+    outputs = generate(model, tokenizer, [qa_prompt_ids(tokenizer, q) for q in asked], 48)
     items = []
     for fact, out in zip(facts, outputs, strict=True):
         from_qa = fact.filename.endswith((".csv", ".jsonl"))
@@ -182,6 +185,11 @@ def employee_questions(model, tokenizer, facts) -> dict:
                 "from_qa_file": from_qa,
             }
         )
+    if library is not None:
+        from scripts.experiments.open_book import found_answer
+
+        for fact, item in zip(facts, items, strict=True):
+            item["found"] = found_answer(library, fact.question, fact.answer)
     text_items = [i for i in items if not i["from_qa_file"]]
     kinds: dict[str, list[int]] = {}
     for fact, item in zip(facts, items, strict=True):
@@ -195,6 +203,7 @@ def employee_questions(model, tokenizer, facts) -> dict:
         "hits": sum(i["hit"] for i in items),
         "n_text": len(text_items),
         "hits_text": sum(i["hit"] for i in text_items),
+        "found": sum(i.get("found", False) for i in items),
         "items": items,
     }
 
@@ -205,10 +214,12 @@ def run(
     seed: int = 0,
     device: str = "cpu",
     blends: tuple[float, ...] = (1.0,),
+    open_book: int = 0,
 ) -> dict:
     """Each recipe trained once and asked at each blend (worker.training.blend: 1 is the
     tuned model, less moves its weights back towards the base model's); a blend below 1 is
-    reported as `recipe@blend`."""
+    reported as `recipe@blend`. With `open_book` (a number of passages) the calibration
+    questions are also asked with the passages the chat's "Use my documents" would find."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.fixtures.docs import CALIBRATION
@@ -228,6 +239,18 @@ def run(
     before_cache: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
         docs = load_corpus(Path(tmp) / "corpus")
+        library = None
+        if open_book:
+            from scripts.experiments.open_book import Library
+
+            library = Library(docs, open_book)
+
+        def ask(model) -> dict:
+            asked = {"employee": employee_questions(model, tokenizer, CALIBRATION)}
+            if library is not None:
+                asked["open_book"] = employee_questions(model, tokenizer, CALIBRATION, library)
+                asked["open_book"]["k"] = library.k
+            return asked
         for name in recipes:
             spec = recipe_spec(name, docs)
             settings = dict(spec)
@@ -250,9 +273,8 @@ def run(
                 cached = json.loads(cache_file.read_text())
                 if cached.get("probe_set") == probe_set:
                     before = cached
-            if before is None:
-                before = evaluate(model, tokenizer, split)
-                before["employee"] = employee_questions(model, tokenizer, CALIBRATION)
+            if before is None or (open_book and before.get("open_book", {}).get("k") != open_book):
+                before = evaluate(model, tokenizer, split) | ask(model)
                 cache_file.write_text(json.dumps(before))
             before_cache[probe_set] = before
             if n_replay:
@@ -291,8 +313,7 @@ def run(
             for share in blends:
                 if blend is not None:
                     blend.set(share)
-                after = evaluate(model, tokenizer, split)
-                after["employee"] = employee_questions(model, tokenizer, CALIBRATION)
+                after = evaluate(model, tokenizer, split) | ask(model)
                 label = name if share == 1.0 else f"{name}@{share:g}"
                 results["recipes"][label] = {
                     "settings": settings | {"blend": share},
@@ -305,6 +326,7 @@ def run(
                     "first_eval_seconds": round(eval_s, 1),
                     "after": _summary(after),
                     "employee_items": after["employee"]["items"],
+                    "open_book_items": after.get("open_book", {}).get("items"),
                     "card_items": [
                         {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
                         for q in after["questions"]["items"]
@@ -324,8 +346,8 @@ def _summary(scores: dict) -> dict:
     """One side's figures (app.contract.scores) and the employee questions asked of it."""
     from app.contract.scores import as_side, kind_counts
 
-    e = scores["employee"]
-    side = as_side({k: v for k, v in scores.items() if k != "employee"})
+    e, o = scores["employee"], scores.get("open_book")
+    side = as_side({k: v for k, v in scores.items() if k not in ("employee", "open_book")})
     headline = 100 * side.questions.n_recalled / side.questions.n if side.questions.n else 0.0
     return {
         "card_by_kind": {k: f"{h}/{n}" for k, (h, n) in kind_counts(side.questions).items()},
@@ -338,7 +360,12 @@ def _summary(scores: dict) -> dict:
         "heldout_ppl": round(side.perplexity, 2) if side.perplexity else None,
         "general_ppl": round(side.general.perplexity, 2),
         "qa_f1": side.qa.f1,
-    }
+    } | ({
+        "open_book": f"{o['hits']}/{o['n']}",
+        "open_book_by_kind": o["by_kind"],
+        "open_book_found": f"{o['found']}/{o['n']}",
+        "open_book_passages": o.get("k"),
+    } if o else {})
 
 
 HEADER = (
@@ -354,10 +381,12 @@ def _row(name: str, r: dict) -> str:
         f"{a['gap_points']:>6} {a['completions']:>9} {a['heldout_ppl']!s:>7} "
         f"{a['general_ppl']!s:>8} "
         f"{r['train_minutes']:>8}"
-    )
+    ) + (f"  open book {a['open_book']} (found {a['open_book_found']})" if "open_book" in a else "")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from app.chat.passages import TOP_K
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--recipes",
@@ -383,6 +412,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated shares between 0 and 1: each trained model is also asked with "
         "its weights moved back towards the base model's (worker.training.blend; 1 = as tuned)",
     )
+    parser.add_argument(
+        "--open-book",
+        type=int,
+        nargs="?",
+        const=TOP_K,
+        default=0,
+        help="also ask the calibration questions as the chat's \"Use my documents\" does: "
+        f"this many passages found by full-text search before each question (default {TOP_K}, "
+        "the app's)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
@@ -406,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         print(f"# seed {seed}", flush=True)
         runs[seed] = run(
-            names, Path(args.models_dir), seed=seed, device=args.device, blends=blends
+            names, Path(args.models_dir), seed=seed, device=args.device, blends=blends,
+            open_book=args.open_book,
         )
         b = runs[seed]["before"]
         print(
