@@ -41,3 +41,21 @@ def found_answer(library: Library, question: str, answer: str) -> bool:
     from worker.dataset.probes import contains_answer
 
     return any(contains_answer(f.text, answer) for f in library.search(question))
+
+
+def reading_practice(tokenizer, docs: list, probes: list, k: int, max_len: int) -> list[dict]:
+    """Practice in reading (RAFT: Zhang et al. 2024, "Adapting Language Model to Domain
+    Specific RAG"): one practice question per fact (the dataset builder's, never a probe's
+    phrasing), asked with the `k` passages the search finds for it, answered with the fact;
+    loss on the answer. Whether the passages hold the answer is up to the search, as in the
+    chat. An example longer than `max_len` tokens is left out."""
+    from worker.dataset.build import encode_qa, make_generated_qa
+    from worker.dataset.corpus import answer_example
+
+    library = Library(docs, k)
+    out = []
+    for question, answer in make_generated_qa([(d.name, d.text) for d in docs], probes, 1):
+        ids, n_prompt = encode_qa(tokenizer, library.prompt(question)[0], answer)
+        if len(ids) <= max_len:
+            out.append(answer_example(ids, n_prompt))
+    return out

@@ -19,6 +19,8 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --seeds 0,1,2   # mean and range per recipe
     .venv/bin/python -m scripts.experiments.recall --recipes default+generated_qa=4+epochs=6
     .venv/bin/python -m scripts.experiments.recall --blends 1,0.8,0.6  # + blended back
+    .venv/bin/python -m scripts.experiments.recall --open-book 2 \
+        --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
 
 A recipe is a name below or `default` (the app's defaults for this corpus), each optionally
 followed by `+setting=value` overrides. `--device cuda` trains and asks on a GPU (to screen
@@ -256,6 +258,7 @@ def run(
             settings = dict(spec)
             generated = spec.pop("generated_qa")
             n_replay = spec.pop("replay", 0)
+            reading = spec.pop("reading_practice", 0)  # passages per practice question
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             with _ablated(spec.pop("ablate", None)):
@@ -277,6 +280,11 @@ def run(
                 before = evaluate(model, tokenizer, split) | ask(model)
                 cache_file.write_text(json.dumps(before))
             before_cache[probe_set] = before
+            if reading:  # practice in reading the passages the chat's search finds
+                from scripts.experiments.open_book import reading_practice
+
+                split.train_examples.extend(reading_practice(
+                    tokenizer, docs, split.probes, reading, spec.get("max_seq_len", 256)))
             if n_replay:
                 replay_file = models_dir / f"recall-replay-{n_replay}.json"
                 if replay_file.is_file():
