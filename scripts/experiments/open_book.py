@@ -36,11 +36,16 @@ class Library:
         return prompt_with(question, found), bool(found)
 
 
-def found_answer(library: Library, question: str, answer: str) -> bool:
-    """Whether the passages found for `question` hold `answer` (the search's share of a miss)."""
+def holds(found: list[Found], answer: str) -> bool:
+    """Whether any of the passages found holds `answer` (else the miss is the search's)."""
     from worker.dataset.probes import contains_answer
 
-    return any(contains_answer(f.text, answer) for f in library.search(question))
+    return any(contains_answer(f.text, answer) for f in found)
+
+
+def found_answer(library: Library, question: str, answer: str) -> bool:
+    """Whether the passages found for `question` hold `answer`."""
+    return holds(library.search(question), answer)
 
 
 def reading_practice(tokenizer, docs: list, probes: list, k: int, max_len: int) -> list[dict]:

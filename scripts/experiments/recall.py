@@ -169,11 +169,15 @@ def employee_questions(model, tokenizer, facts, library=None) -> dict:
     """The calibration questions asked in chat; hits split by where the answer lives and by
     how the question is put (Fact.kind). With a `library` (scripts.experiments.open_book) each
     question is asked as the chat's "Use my documents" asks it, the passages found before it."""
+    from app.chat.passages import prompt_with
+    from scripts.experiments.open_book import holds
     from worker.dataset.build import qa_prompt_ids
     from worker.dataset.probes import contains_answer
     from worker.scoring.evaluate import generate
 
-    asked = [library.prompt(f.question)[0] if library else f.question for f in facts]
+    # The passages each question is asked with, searched once ([] without a library).
+    found = [library.search(f.question) if library else [] for f in facts]
+    asked = [prompt_with(f.question, hits) for f, hits in zip(facts, found, strict=True)]
     outputs = generate(model, tokenizer, [qa_prompt_ids(tokenizer, q) for q in asked], 48)
     items = []
     for fact, out in zip(facts, outputs, strict=True):
@@ -188,10 +192,8 @@ def employee_questions(model, tokenizer, facts, library=None) -> dict:
             }
         )
     if library is not None:
-        from scripts.experiments.open_book import found_answer
-
-        for fact, item in zip(facts, items, strict=True):
-            item["found"] = found_answer(library, fact.question, fact.answer)
+        for fact, item, hits in zip(facts, items, found, strict=True):
+            item["found"] = holds(hits, fact.answer)
     text_items = [i for i in items if not i["from_qa_file"]]
     kinds: dict[str, list[int]] = {}
     for fact, item in zip(facts, items, strict=True):
@@ -238,6 +240,7 @@ def run(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     results: dict = {"threads": threads, "recipes": {}}
+    blending = tuple(blends) != (1.0,)
     before_cache: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
         docs = load_corpus(Path(tmp) / "corpus")
@@ -266,7 +269,7 @@ def run(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
                 )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-            blend_full = spec.get("method") == "full" and tuple(blends) != (1.0,)
+            blend_full = spec.get("method") == "full" and blending
             base_state = {k: v.clone() for k, v in model.state_dict().items()} if blend_full else None
             started = time.perf_counter()
             probe_set = probe_set_id(split.probes)
@@ -316,22 +319,24 @@ def run(
             metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)
-            blend = Blend(model, base_state) if tuple(blends) != (1.0,) else None
+            blend = Blend(model, base_state) if blending else None
             results["before"] = _summary(before)
+            trained = {  # the same for every blend of this training run
+                "train_minutes": round(metrics["train_seconds"] / 60, 2),
+                "tokens_per_s": round(metrics["tokens_per_s"], 1),
+                "steps": metrics["steps"],
+                "n_train_examples": len(split.train_examples),
+                "n_train_tokens": sum(len(e["input_ids"]) for e in split.train_examples),
+                "final_loss": metrics["final_loss"],
+                "first_eval_seconds": round(eval_s, 1),
+            }
             for share in blends:
                 if blend is not None:
                     blend.set(share)
                 after = evaluate(model, tokenizer, split) | ask(model)
                 label = name if share == 1.0 else f"{name}@{share:g}"
-                results["recipes"][label] = {
+                results["recipes"][label] = trained | {
                     "settings": settings | {"blend": share},
-                    "train_minutes": round(metrics["train_seconds"] / 60, 2),
-                    "tokens_per_s": round(metrics["tokens_per_s"], 1),
-                    "steps": metrics["steps"],
-                    "n_train_examples": len(split.train_examples),
-                    "n_train_tokens": sum(len(e["input_ids"]) for e in split.train_examples),
-                    "final_loss": metrics["final_loss"],
-                    "first_eval_seconds": round(eval_s, 1),
                     "after": _summary(after),
                     "employee_items": after["employee"]["items"],
                     "open_book_items": after.get("open_book", {}).get("items"),
