@@ -40,11 +40,22 @@ def lm_loss_sum(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     if not _keeps_logits(model):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return token_loss_sum(logits, labels)
-    # keep[r, t]: position t of row r predicts a label (its next token's).
-    keep = F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+    keep = predicting(labels)
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], logits_to_keep=keep
     ).logits  # (kept positions, vocabulary)
+    return kept_loss_sum(logits, labels, keep)
+
+
+def predicting(labels: torch.Tensor) -> torch.Tensor:
+    """keep[r, t]: position t of row r predicts a label (its next token's): the positions
+    whose logits the loss reads."""
+    return F.pad(labels[:, 1:] != IGNORE_INDEX, (0, 1), value=False)
+
+
+def kept_loss_sum(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of the logits at the `keep` positions (kept positions, vocabulary)
+    against the labels they predict."""
     return F.cross_entropy(logits.float(), labels[:, 1:][keep[:, :-1]], reduction="sum")
 
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 from worker.dataset.corpus import IGNORE_INDEX
-from worker.training.engines import OffloadTrainEngine, token_loss_sum
+from worker.training.engines import OffloadTrainEngine, kept_loss_sum, predicting
 
 STAGE_CACHE = 8  # schedules kept for distinct batch shapes
 MIN_MICRO_BATCHES = 2
@@ -45,9 +45,10 @@ MIN_MICRO_BATCHES = 2
 
 class StageModule(torch.nn.Module):
     """One stage of a cut causal LM: token ids (first stage) or hidden states in, hidden
-    states (or, on the last stage, logits) out. It runs the model's own code (rotary
-    embeddings, causal mask from the attention mask) over its blocks, so what it computes
-    is what the whole model computes there."""
+    states out (on the last stage after the final norm: the output layer runs in the loss,
+    at the positions that predict a label only, as lm_loss_sum runs it in one process). It
+    runs the model's own code (rotary embeddings, causal mask from the attention mask) over
+    its blocks, so what it computes is what the whole model computes there."""
 
     def __init__(self, lm: torch.nn.Module, first: bool, last: bool) -> None:
         super().__init__()
@@ -58,9 +59,8 @@ class StageModule(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        h = self.lm.model(**given, attention_mask=attention_mask,
-                          use_cache=False).last_hidden_state
-        return self.lm.lm_head(h) if self.last else h
+        return self.lm.model(**given, attention_mask=attention_mask,
+                             use_cache=False).last_hidden_state
 
 
 def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -131,13 +131,16 @@ class PipelineTrainEngine(OffloadTrainEngine):
         self._denom = 1
         self._micro = self._last_rows = self._losses_done = 0  # the step's micro-batches
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """A micro-batch's summed token loss over the whole batch's token count (as
-        OffloadTrainEngine.step divides it)."""
+        OffloadTrainEngine.step divides it). The output layer (a 49k-word vocabulary) runs
+        only at the positions that predict a label."""
         i, self._losses_done = self._losses_done, self._losses_done + 1
         if i == self._micro - 1:  # the last micro-batch: its real rows only (as one process)
-            logits, labels = logits[: self._last_rows], labels[: self._last_rows]
-        return token_loss_sum(logits, labels) / self._denom
+            hidden, labels = hidden[: self._last_rows], labels[: self._last_rows]
+        keep = predicting(labels)
+        logits = self.module.lm.lm_head(hidden[keep])
+        return kept_loss_sum(logits, labels, keep) / self._denom
 
     def _schedule(self, rows: int, seq: int, micro: int, train: bool = True) -> ScheduleGPipe:
         key = (rows, seq, train)
@@ -149,9 +152,7 @@ class PipelineTrainEngine(OffloadTrainEngine):
         # the static shapes a stage is told).
         hidden = torch.empty(rows, seq, config.hidden_size, device="meta", requires_grad=True)
         inputs = torch.empty(rows, seq, dtype=torch.long, device="meta") if self.first else hidden
-        outputs = (torch.empty(rows, seq, config.vocab_size, device="meta",
-                               requires_grad=True) if self.last
-                   else hidden)
+        outputs = hidden  # the last stage's too: its output layer runs in the loss
         stage = PipelineStage(self.module, self.stage, self.stages, torch.device("cpu"),
                               input_args=(inputs,), output_args=(outputs,))
         schedule = ScheduleGPipe(stage, micro,
@@ -217,7 +218,7 @@ class PipelineTrainEngine(OffloadTrainEngine):
         schedule = self._schedule(n // micro, seq, micro, train=False)
         args = (ids,) if self.first else ()
         out = schedule.eval(*args, attention_mask=batch["attention_mask"])
-        return out[:rows] if self.last else None
+        return self.module.lm.lm_head(out[:rows]) if self.last else None
 
     def save_checkpoint(self, directory: Path) -> None:
         """This stage's engine checkpoint in directory/stage<r> (every stage writes its own)."""

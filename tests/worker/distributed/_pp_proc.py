@@ -7,7 +7,8 @@ MODE: full | tied | lora (a tiny Llama with 6 blocks; tied: its input and output
 are one weight). Each rank trains its stage through PipelineTrainEngine on the same batches
 (clipping on, two micro-batches); rank 0 writes the losses, the trained weights (gathered
 from every stage) and the last stage's logits of the first batch before training to OUT
-(torch.save). --save-at K CKPT: a checkpoint after step K. --resume CKPT: start from it."""
+(torch.save), and the last stage the positions its output layer ran at in training to
+OUT.head. --save-at K CKPT: a checkpoint after step K. --resume CKPT: start from it."""
 
 from __future__ import annotations
 
@@ -76,6 +77,10 @@ def main(args: list[str]) -> None:
         if "--resume" in args:
             eng.load_checkpoint(Path(ckpt))
             start = eng.steps_done
+        head_rows = []  # the positions the last stage's output layer runs at, per call
+        if eng.last:
+            eng.module.lm.lm_head.register_forward_hook(
+                lambda _m, args, _out: head_rows.append(args[0].shape[:-1].numel()))
         losses = []
         for s in range(start, steps):
             losses.append(eng.step(data[s]))
@@ -91,6 +96,8 @@ def main(args: list[str]) -> None:
                 other = torch.empty_like(eng.module.lm.model.embed_tokens.weight)
                 dist.recv(other, src=world - 1)
                 tied_equal = torch.equal(other, eng.module.lm.model.embed_tokens.weight)
+        if eng.last:
+            torch.save({"head_rows": head_rows}, f"{out}.head")
         if eng.last and rank != 0:
             dist.send(logits.contiguous(), dst=0)
         if rank == 0:
