@@ -21,6 +21,12 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --blends 1,0.8,0.6  # + blended back
     .venv/bin/python -m scripts.experiments.recall --open-book 2 \
         --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
+    .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
+
+`--corpus heldout` trains on a second made-up company's files instead
+(tests/fixtures/heldout_docs.py) and asks its own hand-written colleague questions, written
+by someone who had not seen the card's question generator and never used to tune a recipe:
+whether the card's gap holds on documents it was not developed on.
 
 A recipe is a name below or `default` (the app's defaults for this corpus), each optionally
 followed by `+setting=value` overrides. `--device cuda` trains and asks on a GPU (to screen
@@ -150,15 +156,25 @@ def _known(name: str) -> bool:
     return True
 
 
-def load_corpus(folder: Path) -> list:
-    """The fixture corpus as the worker sees it after extraction."""
+def corpus_of(name: str) -> tuple:
+    """(the corpus writer, its hand-written colleague questions) of a --corpus name."""
+    if name == "heldout":
+        from tests.fixtures.heldout_docs import HELDOUT, write_heldout_corpus
+
+        return write_heldout_corpus, HELDOUT
+    from tests.fixtures.docs import CALIBRATION, write_sample_corpus
+
+    return write_sample_corpus, CALIBRATION
+
+
+def load_corpus(folder: Path, corpus: str = "fixture") -> list:
+    """A corpus (the fixture corpus unless named) as the worker sees it after extraction."""
     from app.filetypes import kind_for_filename
-    from tests.fixtures.docs import write_sample_corpus
     from worker.dataset.corpus import SourceDoc
     from worker.extract import extract
 
     docs = []
-    for path in write_sample_corpus(folder):
+    for path in corpus_of(corpus)[0](folder):
         out = extract(path, kind_for_filename(path.name))
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         docs.append(SourceDoc(path.name, digest, out.text, list(out.qa_pairs)))
@@ -219,6 +235,7 @@ def run(
     device: str = "cpu",
     blends: tuple[float, ...] = (1.0,),
     open_book: int = 0,
+    corpus: str = "fixture",
 ) -> dict:
     """Each recipe trained once and asked at each blend (worker.training.blend: 1 is the
     tuned model, less moves its weights back towards the base model's); a blend below 1 is
@@ -226,7 +243,7 @@ def run(
     questions are also asked with the passages the chat's "Use my documents" would find."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tests.fixtures.docs import CALIBRATION
+    from scripts.experiments.synonyms import rewording
     from worker.dataset.build import build_dataset
     from worker.scoring.evaluate import evaluate, probe_set_id
     from worker.training.base_model import ensure_embedded_model
@@ -243,7 +260,8 @@ def run(
     blending = tuple(blends) != (1.0,)
     before_cache: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
-        docs = load_corpus(Path(tmp) / "corpus")
+        docs = load_corpus(Path(tmp) / "corpus", corpus)
+        calibration = corpus_of(corpus)[1]
         library = None
         if open_book:
             from scripts.experiments.open_book import Library
@@ -251,9 +269,9 @@ def run(
             library = Library(docs, open_book)
 
         def ask(model) -> dict:
-            asked = {"employee": employee_questions(model, tokenizer, CALIBRATION)}
+            asked = {"employee": employee_questions(model, tokenizer, calibration)}
             if library is not None:
-                asked["open_book"] = employee_questions(model, tokenizer, CALIBRATION, library)
+                asked["open_book"] = employee_questions(model, tokenizer, calibration, library)
                 asked["open_book"]["k"] = library.k
             return asked
         for name in recipes:
@@ -264,7 +282,8 @@ def run(
             reading = spec.pop("reading_practice", 0)  # passages per practice question
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
-            with _ablated(spec.pop("ablate", None)):
+            rewordings = spec.pop("synonyms", 0)  # thesaurus rewordings per practice question
+            with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
                 )
@@ -274,7 +293,9 @@ def run(
             started = time.perf_counter()
             probe_set = probe_set_id(split.probes)
             before = before_cache.get(probe_set)
-            cache_file = models_dir / "recall-before.json"  # the base model's scores, reused
+            # the base model's scores, reused
+            cache_file = models_dir / ("recall-before.json" if corpus == "fixture"
+                                       else f"recall-before-{corpus}.json")
             if before is None and cache_file.is_file():
                 cached = json.loads(cache_file.read_text())
                 if cached.get("probe_set") == probe_set:
@@ -436,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
         "the app's)",
     )
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
+    parser.add_argument(
+        "--corpus",
+        choices=("fixture", "heldout"),
+        default="fixture",
+        help="fixture: Northwind Widgets and its 60 calibration questions (tests/fixtures/docs.py); "
+        "heldout: a second company's files and questions, never used to tune a recipe "
+        "(tests/fixtures/heldout_docs.py)",
+    )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]
     unknown = [n for n in names if not _known(n)]
@@ -459,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# seed {seed}", flush=True)
         runs[seed] = run(
             names, Path(args.models_dir), seed=seed, device=args.device, blends=blends,
-            open_book=args.open_book,
+            open_book=args.open_book, corpus=args.corpus,
         )
         b = runs[seed]["before"]
         print(

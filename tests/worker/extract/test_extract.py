@@ -149,6 +149,31 @@ def test_planted_facts_come_out(corpus: dict[str, Extracted], fact: docs.Fact) -
     assert fact.answer in everything
 
 
+@pytest.fixture(scope="module")
+def heldout_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Extracted]:
+    from tests.fixtures.heldout_docs import write_heldout_corpus
+
+    paths = write_heldout_corpus(tmp_path_factory.mktemp("heldout"))
+    return {p.name: extract(p, kind_for_filename(p.name)) for p in paths}
+
+
+def test_the_heldout_corpus_states_every_answer_once_in_its_own_file(
+    heldout_corpus: dict[str, Extracted],
+) -> None:
+    """The recall experiment's second corpus (--corpus heldout): each hand-written question's
+    answer comes out of the file it names, and the files are another company's."""
+    from tests.fixtures.heldout_docs import HELDOUT
+
+    kinds = {"as written", docs.OTHER, docs.REVERSE, docs.TABLE}
+    assert len(HELDOUT) >= 40 and {f.kind for f in HELDOUT} == kinds
+    for fact in HELDOUT:
+        result = heldout_corpus[fact.filename]
+        everything = result.text + "\n" + "\n".join(f"{q}\n{a}" for q, a in result.qa_pairs)
+        assert fact.answer.casefold() in everything.casefold(), fact  # as answers are graded
+    northwind = {f.answer for f in docs.CALIBRATION}
+    assert not northwind & {f.answer for f in HELDOUT} - {"manager"}
+
+
 def test_qa_files_give_pairs_and_text_files_give_text(corpus: dict[str, Extracted]) -> None:
     for name, result in corpus.items():
         if name.endswith((".csv", ".jsonl")):
