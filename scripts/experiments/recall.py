@@ -259,6 +259,7 @@ def run(
     results: dict = {"threads": threads, "recipes": {}}
     blending = tuple(blends) != (1.0,)
     before_cache: dict[str, dict] = {}
+    cache_file = models_dir / f"recall-before-{corpus}.json"  # the base model's scores, reused
     with tempfile.TemporaryDirectory(prefix="doctune-recall-") as tmp:
         docs = load_corpus(Path(tmp) / "corpus", corpus)
         calibration = corpus_of(corpus)[1]
@@ -293,9 +294,6 @@ def run(
             started = time.perf_counter()
             probe_set = probe_set_id(split.probes)
             before = before_cache.get(probe_set)
-            # the base model's scores, reused
-            cache_file = models_dir / ("recall-before.json" if corpus == "fixture"
-                                       else f"recall-before-{corpus}.json")
             if before is None and cache_file.is_file():
                 cached = json.loads(cache_file.read_text())
                 if cached.get("probe_set") == probe_set:
