@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from app.chat import passages
 from app.chat.models import ChatMessage, Conversation, ReplyState
 from app.contract.chat import BASE, MAX_QUESTION_CHARS, TEMPERATURE_MAX
+from app.contract.scores import headline_recall, parse_scores
 from app.contract.tasks import CHAT_FORGET_TASK, CHAT_TASK
 from app.db import utcnow
 from app.models import Job, JobState, Project
@@ -37,6 +38,32 @@ def model_choices(project: Project) -> list[ModelChoice]:
     tuned = [ModelChoice(str(job_id), f"{label} ({methods.get(jobs[job_id].method, '?')})",
                          job_id) for job_id, label in sorted(versions.items(), reverse=True)]
     return [*tuned, ModelChoice(BASE, "Base model (not tuned)", None)]
+
+
+def how_often_right(session: Session, job_id: int | None) -> str | None:
+    """A version's score card in a sentence, for the chat beside its answers: a tuned model
+    answers in the documents' style whether it is right or not (its own token probabilities
+    do not tell the two apart, README "Making recall real"), so the reader is told how often
+    it was right on questions it was never trained on. None for the base model or a version
+    without scores."""
+    job = session.get(Job, job_id) if job_id is not None else None
+    if job is None or not job.scores:
+        return None
+    try:
+        scores = parse_scores(job.scores)
+    except ValueError:
+        return None
+    if scores.after is None:
+        return None
+    recall = headline_recall(scores.before, scores.after)
+    if not recall.n:
+        return None
+    pct = round(100 * recall.rate_after)
+    if recall.kind == "questions":
+        return (f"On its score card it answered {recall.after} of {recall.n} questions about "
+                f"your documents right ({pct}%).")
+    return (f"On its score card it completed {recall.after} of {recall.n} facts from your "
+            f"documents ({pct}%).")
 
 
 def choice_for(project: Project, ref: str) -> ModelChoice:

@@ -54,6 +54,8 @@ def _page(request: Request, session, project, conversation=None, *, model_ref: s
         "documents": [(d.id, display_name(d.original_name)) for d in readable],
         "short_labels": {c.job_id: c.label.split(" ")[0] for c in choices},
         "model_label": next((c.label for c in choices if c.ref == model_ref), "?"),
+        "how_often_right": (chat.how_often_right(session, conversation.job_id)
+                            if conversation else None),
         "model_ref": model_ref,
         "conversations": chat.conversations_of(session, project, user_id),
         "conversation": conversation,

@@ -236,11 +236,14 @@ def run(
     blends: tuple[float, ...] = (1.0,),
     open_book: int = 0,
     corpus: str = "fixture",
+    also=None,
 ) -> dict:
     """Each recipe trained once and asked at each blend (worker.training.blend: 1 is the
     tuned model, less moves its weights back towards the base model's); a blend below 1 is
     reported as `recipe@blend`. With `open_book` (a number of passages) the calibration
-    questions are also asked with the passages the chat's "Use my documents" would find."""
+    questions are also asked with the passages the chat's "Use my documents" would find.
+    `also(model, tokenizer, after)`, when given, sees each tuned model and its scores; what
+    it puts in after["also"] goes into the results (scripts.experiments.confidence)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from scripts.experiments.synonyms import rewording
@@ -353,6 +356,8 @@ def run(
                 if blend is not None:
                     blend.set(share)
                 after = evaluate(model, tokenizer, split) | ask(model)
+                if also is not None:
+                    also(model, tokenizer, after)
                 label = name if share == 1.0 else f"{name}@{share:g}"
                 results["recipes"][label] = trained | {
                     "settings": settings | {"blend": share},
@@ -363,7 +368,7 @@ def run(
                         {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
                         for q in after["questions"]["items"]
                     ],
-                }
+                } | ({"also": after["also"]} if "also" in after else {})
                 print(_row(label, results["recipes"][label]), flush=True)
             print(
                 f"# {name}: before eval {eval_s:.0f} s, train {metrics['train_seconds']:.0f} s",
@@ -379,7 +384,8 @@ def _summary(scores: dict) -> dict:
     from app.contract.scores import as_side, kind_counts
 
     e, o = scores["employee"], scores.get("open_book")
-    side = as_side({k: v for k, v in scores.items() if k not in ("employee", "open_book")})
+    side = as_side({k: v for k, v in scores.items()
+                    if k not in ("employee", "open_book", "also")})
     headline = 100 * side.questions.n_recalled / side.questions.n if side.questions.n else 0.0
     return {
         "card_by_kind": {k: f"{h}/{n}" for k, (h, n) in kind_counts(side.questions).items()},

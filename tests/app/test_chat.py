@@ -60,6 +60,34 @@ def test_the_chat_offers_the_versions_and_the_base_model(client):
     assert f'href="/projects/{project_id}/chat?model={job_id}"' in job_page
 
 
+def test_a_conversation_says_how_often_its_version_was_right(client):
+    """Beside a tuned version's answers, its score card's figure on questions it never
+    trained on, taken from the job's own scores; the base model (no card) gets none."""
+    from tests.app.test_score_card import full_scores
+
+    with session_scope() as session:
+        project = make_project(session, "Handbook")
+        old = make_job(session, project, JobState.done)  # sentence completions: 6 of 10
+        new = make_job(session, project, JobState.done, scores=full_scores(n=29, after_hits=13))
+        ids = project.id, old.id, new.id
+    project_id, old_id, new_id = ids
+
+    def header(model: str, documents: bool = False) -> str:
+        r = client.post(f"/projects/{project_id}/chat", follow_redirects=False,
+                        data={"model": model, "use_documents": "1" if documents else ""})
+        page = client.get(r.headers["location"]).text
+        found = re.search(r'<p class="hint how-often-right">(.*?)</p>', page, re.DOTALL)
+        return found.group(1) if found else ""
+
+    line = header(str(new_id))
+    assert line.startswith("On its score card it answered 13 of 29 questions about your "
+                           "documents right (45%).")
+    assert "or start a conversation that uses them" in line
+    assert "completed 6 of 10 facts from your documents (60%)" in header(str(old_id))
+    assert "start a conversation that uses them" not in header(str(new_id), documents=True)
+    assert header("base") == ""
+
+
 def test_asking_queues_one_reply_after_the_commit(client, env):
     project_id, job_id = _project_with_version()
     r = client.post(f"/projects/{project_id}/chat",

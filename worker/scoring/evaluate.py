@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -97,11 +98,27 @@ def perplexity(model, tokenizer, texts: list[str], batch_size: int = 8) -> float
     return math.exp(total_nll / total_tokens)
 
 
-@torch.no_grad()
 def generate(
     model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 24, batch_size: int = 8
 ) -> list[str]:
-    """Greedy continuations of tokenised prompts, decoded without special tokens.
+    """Greedy continuations of tokenised prompts, decoded without special tokens."""
+    return [a.text for a in generate_scored(model, tokenizer, prompts, max_new_tokens, batch_size)]
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    # The probability the model gave each token it chose, up to (not including) the end of
+    # the answer: how sure it was of each piece.
+    token_probs: tuple[float, ...]
+
+
+@torch.no_grad()
+def generate_scored(
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 24, batch_size: int = 8
+) -> list[Answer]:
+    """Greedy continuations of tokenised prompts, decoded without special tokens, each with
+    the probability of every token chosen.
 
     Prompts are batched by length and left-padded here (the tokenizer is not touched),
     so each continuation starts right after its own prompt.
@@ -114,9 +131,12 @@ def generate(
     gen_config.max_new_tokens = max_new_tokens
     gen_config.max_length = None
     gen_config.pad_token_id = pad
+    gen_config.return_dict_in_generate = True
+    gen_config.output_logits = True  # the raw scores, as the model gave them
     for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
         setattr(gen_config, name, None)  # sampling settings only trigger warnings here
-    outputs: list[str] = [""] * len(prompts)
+    stops = _stop_ids(tokenizer, gen_config)
+    outputs: list[Answer] = [Answer("", ())] * len(prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
@@ -130,9 +150,27 @@ def generate(
         out = model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_config
         )
+        chosen = out.sequences[:, width:]
+        # (rows, new tokens): the probability of each chosen token under the raw logits
+        probs = torch.stack(
+            [torch.softmax(step.float(), dim=-1).gather(1, chosen[:, t : t + 1]).squeeze(1)
+             for t, step in enumerate(out.logits)], dim=1,
+        ).cpu()
         for r, i in enumerate(rows):
-            outputs[i] = tokenizer.decode(out[r, width:].tolist(), skip_special_tokens=True)
+            tokens = chosen[r].tolist()
+            end = next((t for t, tok in enumerate(tokens) if tok in stops), len(tokens))
+            outputs[i] = Answer(
+                tokenizer.decode(tokens, skip_special_tokens=True),
+                tuple(round(float(x), 6) for x in probs[r, :end]),
+            )
     return outputs
+
+
+def _stop_ids(tokenizer, gen_config) -> set[int]:
+    """The ids that end an answer: the tokenizer's end of sequence and the model's own."""
+    configured = gen_config.eos_token_id
+    ids = set(configured) if isinstance(configured, list | tuple) else {configured}
+    return {int(i) for i in ids | {tokenizer.eos_token_id} if i is not None}
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from worker.scoring.evaluate import (
     evaluate,
     general_chunks,
     general_text,
+    generate_scored,
     perplexity,
     probe_set_id,
     token_f1,
@@ -154,6 +155,34 @@ def test_facts_are_also_asked_as_questions_in_chat(smol_tokenizer, tiny_model):
     assert first["sentence"] == "s1" and first["template"] == "fronted"
     assert second["hit"] is False and second["source"] == "b.txt"
     assert result["n_probes"] == 3  # the completion form still asks all three
+
+
+def test_each_answer_carries_the_probability_of_every_token_it_chose(smol_tokenizer, tiny_model):
+    """The probabilities are the model's own, read from one unpadded forward pass over the
+    prompt and the answer, although the prompts were batched and left-padded; an answer's
+    end-of-sequence token ends them."""
+    prompts = [qa_prompt_ids(smol_tokenizer, q) for q in
+               ("How long does the warranty last?", "Where do parts ship from?")]
+    answers = generate_scored(tiny_model, smol_tokenizer, prompts, max_new_tokens=5)
+    for prompt, answer in zip(prompts, answers, strict=True):
+        chosen = _greedy(tiny_model, prompt, 5)
+        assert answer.text == smol_tokenizer.decode(chosen, skip_special_tokens=True)
+        with torch.no_grad():
+            logits = tiny_model(input_ids=torch.tensor([prompt + chosen])).logits[0]
+        expected = torch.softmax(logits[len(prompt) - 1 : -1], dim=-1)
+        expected = expected.gather(1, torch.tensor(chosen)[:, None]).squeeze(1)
+        assert len(answer.token_probs) == 5
+        assert answer.token_probs == pytest.approx(expected.tolist(), abs=1e-4)
+    # The model's third token made its end of sequence: the answer's probabilities stop
+    # before it.
+    stop = _greedy(tiny_model, prompts[0], 3)[2]
+    config = copy.deepcopy(tiny_model.generation_config)
+    tiny_model.generation_config.eos_token_id = stop
+    try:
+        [ended] = generate_scored(tiny_model, smol_tokenizer, prompts[:1], max_new_tokens=5)
+    finally:
+        tiny_model.generation_config = config
+    assert ended.token_probs == answers[0].token_probs[:2]
 
 
 def test_forgetting_check_scores_the_general_sample(smol_tokenizer, tiny_model):
