@@ -203,6 +203,7 @@ def _compare_page(request: Request, session, group: str, error: str | None = Non
     sides = [{"conversation": c,
               "label": choices.get(c.job_id, "?") + (" + your documents" if c.use_documents
                                                      else ""),
+              "how_often_right": chat.how_often_right(session, c.job_id),
               "messages": [_reply_context(m) for m in c.messages]} for c in pair]
     context = {"project": project, "group": group, "sides": sides, "error": error}
     return render(request, "chat_compare.html", context, status_code=status_code)

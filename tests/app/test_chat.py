@@ -342,6 +342,8 @@ def test_compare_asks_both_sides_the_same_question(client, env):
     assert len(_queued_ids(env)) == 2
     page = client.get(f"/chat/compare/{group}").text
     assert "+ your documents" in page and page.count("data-reply-stream") == 2
+    # Both sides are the same version: its score card's figure above each.
+    assert page.count('<p class="hint how-often-right">On its score card it') == 2
     same = client.post(f"/projects/{project_id}/chat/compare", data={"a": "base", "b": "base"})
     assert same.status_code == 422 and "Choose two different models" in same.text
 
