@@ -42,10 +42,10 @@ def model_choices(project: Project) -> list[ModelChoice]:
 
 def how_often_right(session: Session, job_id: int | None) -> str | None:
     """A version's score card in a sentence, for the chat beside its answers: a tuned model
-    answers in the documents' style whether it is right or not (its own token probabilities
-    do not tell the two apart, README "Making recall real"), so the reader is told how often
-    it was right on questions it was never trained on. None for the base model or a version
-    without scores."""
+    answers in the documents' style whether it is right or not (neither its token
+    probabilities nor its sampled answers tell the two apart: README "Does the model know
+    when it is wrong?"), so the reader is told how often it was right on questions it was
+    never trained on. None for the base model or a version without scores."""
     job = session.get(Job, job_id) if job_id is not None else None
     if job is None or not job.scores:
         return None
