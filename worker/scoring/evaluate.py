@@ -101,8 +101,10 @@ def perplexity(model, tokenizer, texts: list[str], batch_size: int = 8) -> float
 def generate(
     model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 24, batch_size: int = 8
 ) -> list[str]:
-    """Greedy continuations of tokenised prompts, decoded without special tokens."""
-    return [a.text for a in generate_scored(model, tokenizer, prompts, max_new_tokens, batch_size)]
+    """Greedy continuations of tokenised prompts, decoded without special tokens (the
+    job's scoring: no probabilities kept, so no vocabulary-wide logits per step either)."""
+    answers = generate_scored(model, tokenizer, prompts, max_new_tokens, batch_size, probs=False)
+    return [a.text for a in answers]
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,11 @@ class Answer:
 
 @torch.no_grad()
 def generate_scored(
-    model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 24, batch_size: int = 8
+    model, tokenizer, prompts: list[list[int]], max_new_tokens: int = 24, batch_size: int = 8,
+    probs: bool = True,
 ) -> list[Answer]:
     """Greedy continuations of tokenised prompts, decoded without special tokens, each with
-    the probability of every token chosen.
+    the probability of every token chosen (none without `probs`).
 
     Prompts are batched by length and left-padded here (the tokenizer is not touched),
     so each continuation starts right after its own prompt.
@@ -132,7 +135,7 @@ def generate_scored(
     gen_config.max_length = None
     gen_config.pad_token_id = pad
     gen_config.return_dict_in_generate = True
-    gen_config.output_logits = True  # the raw scores, as the model gave them
+    gen_config.output_logits = probs  # the raw scores, as the model gave them
     for name in ("temperature", "top_p", "top_k", "min_p", "typical_p"):
         setattr(gen_config, name, None)  # sampling settings only trigger warnings here
     stops = _stop_ids(tokenizer, gen_config)
@@ -152,16 +155,16 @@ def generate_scored(
         )
         chosen = out.sequences[:, width:]
         # (rows, new tokens): the probability of each chosen token under the raw logits
-        probs = torch.stack(
+        chances = torch.stack(
             [torch.softmax(step.float(), dim=-1).gather(1, chosen[:, t : t + 1]).squeeze(1)
              for t, step in enumerate(out.logits)], dim=1,
-        ).cpu()
+        ).cpu() if probs else None
         for r, i in enumerate(rows):
             tokens = chosen[r].tolist()
             end = next((t for t, tok in enumerate(tokens) if tok in stops), len(tokens))
             outputs[i] = Answer(
                 tokenizer.decode(tokens, skip_special_tokens=True),
-                tuple(round(float(x), 6) for x in probs[r, :end]),
+                tuple(round(float(x), 6) for x in chances[r, :end]) if probs else (),
             )
     return outputs
 
