@@ -90,9 +90,10 @@ def table(items: list[dict]) -> dict:
     """Per signal: AUROC and, per threshold, (sure, right among sure, unsure, right among
     unsure)."""
     right = [bool(i["hit"]) for i in items]
+    measured = [signals(i) for i in items]  # once per answer, not once per signal
     out = {}
-    for name in signals(items[0]):
-        scores = [signals(i)[name] for i in items]
+    for name in measured[0]:
+        scores = [m[name] for m in measured]
         rows = []
         for t in THRESHOLDS:
             sure = [r for s, r in zip(scores, right, strict=True) if s >= t]
