@@ -5,11 +5,22 @@ tests/worker/models.py)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(autouse=True)
+def _attention_switch_restored(monkeypatch):
+    """Undoes a test's worker.chat.kv.attend_on_kv_heads (a chat worker's function run in
+    this process, e.g. by worker/chat/reply.forget): left on, the training ranks a later test
+    starts inherit it and stop matching the one-process job (see worker/chat/kv.py)."""
+    from worker.chat.kv import KV_HEADS_SWITCH
+
+    monkeypatch.setenv(KV_HEADS_SWITCH, os.environ.get(KV_HEADS_SWITCH, "0"))
 
 
 def smollm2_folder() -> Path | None:

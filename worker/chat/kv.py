@@ -14,10 +14,14 @@ so a new token is written in place instead of concatenated (DynamicLayer copies 
 cache for every token: 189 MB per generated token after 4k tokens of SmolLM2-135M), and a
 restored cache is read straight into such a buffer.
 
-Attention runs on the key-value heads (`TRANSFORMERS_SDPA_FORCE_GQA`, set by
+Attention runs on the key-value heads (`KV_HEADS_SWITCH`, set by
 `attend_on_kv_heads`) instead of transformers copying every key and value to each of the
 query heads that share it (repeat_kv: three copies of the cache per layer per forward for
-SmolLM2); cold and restored turns alike, so they still give the same tokens.
+SmolLM2); cold and restored turns alike, so they still give the same tokens. The switch is
+process-wide and only for processes that answer chats: with it, a padded batch's attention
+on a CPU depends on the thread count (an Intel Xeon, 2026-12-05: one training job at 1 and
+at 2 threads came out 1.5e-6 apart in perplexity; without it, the same bits), so a process
+that trains on several ranks (which inherit the environment) would stop matching one.
 The namespace (`model_fingerprint`) covers the base weights, the adapter, the dtype and the
 library versions, so a cache is only ever restored into the model that made it.
 """
@@ -141,9 +145,14 @@ def _whole(view: torch.Tensor) -> torch.Tensor:
     return view.as_strided((*view.shape[:-2], cap, view.shape[-1]), view.stride())
 
 
+# transformers' switch for SDPA on the key-value heads (transformers/integrations/sdpa_attention.py).
+KV_HEADS_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
 def attend_on_kv_heads() -> None:
-    """transformers' SDPA attention on the key-value heads (see the module docstring)."""
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+    """transformers' SDPA attention on the key-value heads in this process and the ones it
+    starts (see the module docstring: chat processes only)."""
+    os.environ[KV_HEADS_SWITCH] = "1"
 
 
 def new_cache(model) -> DynamicCache:
