@@ -188,7 +188,7 @@ def employee_questions(model, tokenizer, facts, library=None) -> dict:
     from app.chat.passages import prompt_with
     from scripts.experiments.open_book import holds
     from worker.dataset.build import qa_prompt_ids
-    from worker.dataset.probes import contains_answer
+    from worker.dataset.probes import gives_answer
     from worker.scoring.evaluate import generate
 
     # The passages each question is asked with, searched once ([] without a library).
@@ -203,7 +203,7 @@ def employee_questions(model, tokenizer, facts, library=None) -> dict:
                 "question": fact.question,
                 "answer": fact.answer,
                 "output": out,
-                "hit": contains_answer(out, fact.answer),
+                "hit": gives_answer(out, fact.answer),
                 "from_qa_file": from_qa,
             }
         )

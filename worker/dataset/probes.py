@@ -11,6 +11,7 @@ that happens to be capitalised) are never used. Pure Python, no torch.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, replace
 
 from worker.dataset.questions import Fact
@@ -207,6 +208,36 @@ def contains_answer(output: str, answer: str) -> bool:
     if not a:
         return False
     return re.search(r"(?<!\w)" + re.escape(a) + r"(?!\w)", o) is not None
+
+
+def _sign(ch: str) -> bool:
+    """A percent or currency sign: part of what an answer means ("6%", "€24")."""
+    return ch == "%" or unicodedata.category(ch) == "Sc"
+
+
+def _answer_form(answer: str) -> str:
+    """The answer casefolded, whitespace collapsed, punctuation stripped at both ends except
+    percent and currency signs."""
+    text = re.sub(r"\s+", " ", answer.casefold()).strip()
+    start, end = 0, len(text)
+    while start < end and not (text[start].isalnum() or _sign(text[start])):
+        start += 1
+    while end > start and not (text[end - 1].isalnum() or _sign(text[end - 1])):
+        end -= 1
+    return text[start:end]
+
+
+def gives_answer(output: str, answer: str) -> bool:
+    """Whether a model's `output` gives `answer`, for scoring: as `contains_answer`, but a
+    percent or currency sign in the answer must be in the output too ("€24" is not "a
+    24-hour delivery", "6%" is not "6 months"; "6 per cent" is 6%). `contains_answer` stays
+    the lenient test for whether a question or prompt gives its answer away."""
+    a = _answer_form(answer)
+    if not a:
+        return False
+    pattern = re.escape(a).replace("%", r"(?:%|\s?per\s?cent)")
+    o = re.sub(r"\s+", " ", output.casefold())
+    return re.search(r"(?<!\w)" + pattern + r"(?!\w)", o) is not None
 
 
 def _find_spans(sentence: str) -> list[tuple[int, int, str]]:

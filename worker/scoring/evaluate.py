@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from worker.dataset.build import encode_text, qa_prompt_ids
 from worker.dataset.corpus import DatasetSplit, Probe
-from worker.dataset.probes import contains_answer
+from worker.dataset.probes import gives_answer
 
 # The forgetting check's sample: plain general English written for DocTune (not from any
 # data set), so a rise in its perplexity means the model got worse at ordinary text.
@@ -47,8 +47,8 @@ def token_f1(prediction: str, reference: str) -> float:
 
 
 def score_answer(output: str, answer: str) -> dict:
-    """Per-answer scores: token F1 and whether the answer appears in the output."""
-    return {"f1": token_f1(output, answer), "contains": contains_answer(output, answer)}
+    """Per-answer scores: token F1 and whether the output gives the answer."""
+    return {"f1": token_f1(output, answer), "contains": gives_answer(output, answer)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -276,7 +276,7 @@ def _completions(model, tokenizer, probes: list[Probe], max_new_tokens: int, bat
             "prompt": p.prompt,
             "answer": p.answer,
             "output": out,
-            "hit": contains_answer(out, p.answer),
+            "hit": gives_answer(out, p.answer),
             "source": p.source,
         }
         for p, out in zip(probes, outputs, strict=True)
@@ -299,7 +299,7 @@ def _questions(model, tokenizer, probes: list[Probe], answer_tokens: int, batch_
             "question": p.question,
             "answer": p.answer,
             "output": out,
-            "hit": contains_answer(out, p.answer),
+            "hit": gives_answer(out, p.answer),
             "source": p.source,
             "sentence": p.sentence,
             "template": p.template,

@@ -8,6 +8,7 @@ from worker.dataset.colleague import make_probes
 from worker.dataset.probes import (
     _candidates_for_doc,
     contains_answer,
+    gives_answer,
     normalise,
     split_sentences,
 )
@@ -139,6 +140,22 @@ def test_contains_answer_matches_whole_words_after_normalising():
     assert not contains_answer("It lasts 360 months.", "36 months")
     assert not contains_answer("about 360", "36")
     assert not contains_answer("anything", "")
+
+
+def test_an_answer_is_given_only_with_its_percent_or_currency_sign():
+    """Scoring (gives_answer): "€24" is not "a 24-hour delivery" (a tuned model's answer that
+    contains_answer counted right); "6%" is not "6 months"; the sign's words count."""
+    assert not gives_answer("We charge a 24-hour delivery to ship to Norway.", "€24")
+    assert gives_answer("It costs €24.", "€24") and gives_answer("€24", "€24")
+    assert not gives_answer("We match 6 months of salary.", "6%")
+    assert gives_answer("A 6% pension match.", "6%")
+    assert gives_answer("a 6 per cent match", "6%") and gives_answer("6 percent", "6%")
+    assert not gives_answer("It costs 129.50.", "$129.50")
+    assert gives_answer("The price is $18.75 each.", "18.75")  # no sign asked for
+    assert gives_answer("It lasts 36  Months, as agreed.", "36 months")
+    assert gives_answer("Lyon.", "'Lyon.'") and not gives_answer("about 360", "36")
+    assert not gives_answer("anything", "") and not gives_answer("anything", "...")
+    assert contains_answer("We charge a 24-hour delivery.", "€24")  # what a question gives away
 
 
 @pytest.mark.parametrize(

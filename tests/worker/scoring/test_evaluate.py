@@ -18,6 +18,7 @@ from worker.scoring.evaluate import (
     generate_scored,
     perplexity,
     probe_set_id,
+    score_answer,
     token_f1,
 )
 
@@ -44,6 +45,14 @@ def test_token_f1_normalises_answers_like_squad():
 )
 def test_token_f1(prediction, reference, expected):
     assert token_f1(prediction, reference) == pytest.approx(expected)
+
+
+def test_an_answer_counts_with_its_currency_sign():
+    """The user's own questions are scored as the card's (worker.dataset.probes.gives_answer):
+    the tuned default answered "How much do we charge to ship to Norway?" (€24) with "a
+    24-hour delivery", which the card used to count right."""
+    assert not score_answer("We charge a 24-hour delivery to ship to Norway.", "€24")["contains"]
+    assert score_answer("Shipping to Norway costs €24.", "€24")["contains"]
 
 
 # --- helpers ----------------------------------------------------------------------------
