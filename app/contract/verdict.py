@@ -192,10 +192,11 @@ def _handles(kinds: list[KindFigures]) -> str:
 def _what_to_add(kinds: list[KindFigures]) -> str:
     """What to add so it answers the facts it misses, naming the kinds it misses."""
     weak = _weak(kinds)
-    asked = f", including questions {_join([k.words for k in weak])}," if weak else ""
+    asked = f", including questions {_join([k.words for k in weak])}," if weak else ","
     return (
-        f"Add question-answer pairs (CSV or JSONL) about the facts it misses{asked} and more "
-        "documents that state those facts in different words."
+        f"Add question-answer pairs (CSV or JSONL) about the facts it misses{asked} each put "
+        "the ways your colleagues ask it: it learns to answer a question as it is written, "
+        "much less the same fact asked in other words."
     )
 
 

@@ -69,8 +69,9 @@ def test_partly_learned_says_plainly_what_it_cannot_do_yet():
     # Older scores (no kinds): what to add, without naming kinds.
     assert v.advice == [
         (
-            "Add question-answer pairs (CSV or JSONL) about the facts it misses and more "
-            "documents that state those facts in different words."
+            "Add question-answer pairs (CSV or JSONL) about the facts it misses, each put the "
+            "ways your colleagues ask it: it learns to answer a question as it is written, much "
+            "less the same fact asked in other words."
         ),
         "Train longer (for example 16 epochs instead of 8).",
     ]
@@ -109,8 +110,9 @@ def test_partial_names_the_kinds_it_handles_and_misses_and_what_to_add():
         "It answers questions looked up in a table (5 of 8) but rarely questions in a "
         "colleague's own words (3 of 22) or asked the other way round (1 of 10). Add "
         "question-answer pairs (CSV or JSONL) about the facts it misses, including questions in "
-        "a colleague's own words and asked the other way round, and more documents that state "
-        "those facts in different words."
+        "a colleague's own words and asked the other way round, each put the ways your "
+        "colleagues ask it: it learns to answer a question as it is written, much less the same "
+        "fact asked in other words."
     )
     assert "Train longer (for example 16 epochs instead of 8)." in v.advice
     assert v.details[1] == (
