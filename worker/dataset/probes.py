@@ -204,10 +204,13 @@ def normalise(text: str) -> str:
 def contains_answer(output: str, answer: str) -> bool:
     """True when the normalised answer appears in the normalised output as whole words
     ("36" is not found inside "360"). An empty answer never counts."""
-    a, o = normalise(answer), normalise(output)
-    if not a:
-        return False
-    return re.search(r"(?<!\w)" + re.escape(a) + r"(?!\w)", o) is not None
+    a = normalise(answer)
+    return bool(a) and _whole_words(re.escape(a), normalise(output))
+
+
+def _whole_words(pattern: str, text: str) -> bool:
+    """`pattern` found in `text` with no word character either side of it."""
+    return re.search(r"(?<!\w)" + pattern + r"(?!\w)", text) is not None
 
 
 def _sign(ch: str) -> bool:
@@ -233,11 +236,8 @@ def gives_answer(output: str, answer: str) -> bool:
     24-hour delivery", "6%" is not "6 months"; "6 per cent" is 6%). `contains_answer` stays
     the lenient test for whether a question or prompt gives its answer away."""
     a = _answer_form(answer)
-    if not a:
-        return False
     pattern = re.escape(a).replace("%", r"(?:%|\s?per\s?cent)")
-    o = re.sub(r"\s+", " ", output.casefold())
-    return re.search(r"(?<!\w)" + pattern + r"(?!\w)", o) is not None
+    return bool(a) and _whole_words(pattern, re.sub(r"\s+", " ", output.casefold()))
 
 
 def _find_spans(sentence: str) -> list[tuple[int, int, str]]:
