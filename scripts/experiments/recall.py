@@ -19,6 +19,7 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --seeds 0,1,2   # mean and range per recipe
     .venv/bin/python -m scripts.experiments.recall --recipes default+generated_qa=4+epochs=6
     .venv/bin/python -m scripts.experiments.recall --blends 1,0.8,0.6  # + blended back
+    .venv/bin/python -m scripts.experiments.recall --recipes default+lora_modules=mlp  # MLP only
     .venv/bin/python -m scripts.experiments.recall --open-book 2 \
         --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
@@ -118,6 +119,29 @@ def _ablated(what: str | None):
         build.training_questions = saved
 
 
+# LoRA on some of a block's projections only (the recall experiment's `lora_modules`
+# setting); the app's jobs adapt every one (worker.training.recipe.LORA_TARGETS).
+LORA_MODULES = {
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+}
+
+
+@contextlib.contextmanager
+def _lora_modules(which: str | None):
+    """LoRA adapters on the named group of projections (LORA_MODULES) while a recipe sets
+    up its model; every projection when None."""
+    from worker.training import recipe
+
+    saved = recipe.LORA_TARGETS
+    if which is not None:
+        recipe.LORA_TARGETS = LORA_MODULES[which]
+    try:
+        yield
+    finally:
+        recipe.LORA_TARGETS = saved
+
+
 def default_recipe(docs: list) -> dict:
     """What the Train button would use for this corpus (app.contract.training)."""
     from app.contract.training import default_params
@@ -145,6 +169,8 @@ def recipe_spec(name: str, docs: list) -> dict:
             spec[key] = json.loads(value)
         except json.JSONDecodeError:
             spec[key] = value
+    if spec.get("lora_modules", "mlp") not in LORA_MODULES:
+        raise ValueError(f"lora_modules is one of {sorted(LORA_MODULES)}")
     return spec
 
 
@@ -287,6 +313,7 @@ def run(
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             rewordings = spec.pop("synonyms", 0)  # thesaurus rewordings per practice question
+            modules = spec.pop("lora_modules", None)  # LORA_MODULES key: LoRA on those only
             with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
@@ -337,7 +364,8 @@ def run(
                 pad_token_id=pad,
                 engine=EngineOptions(kind="memory"),
             )
-            recipe.setup()
+            with _lora_modules(modules):
+                recipe.setup()
             metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)
