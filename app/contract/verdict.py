@@ -211,6 +211,13 @@ def _what_to_add(kinds: list[KindFigures]) -> str:
     )
 
 
+def _not_ready_advice(kinds: list[KindFigures]) -> list[str]:
+    """A model that is not ready: which kinds it handles (when known), what to add, and how
+    to use it meanwhile."""
+    add = f"{_handles(kinds)} {_what_to_add(kinds)}" if kinds else _what_to_add(kinds)
+    return [add, OPEN_BOOK]
+
+
 def _not_ready(recall: RecallFigures) -> str:
     """The partial level's headline: what the model can and cannot do yet."""
     if recall.kind == "questions":
@@ -256,8 +263,7 @@ def _judge(
         headline = f"{learned[:-1]}, but the model got worse at general English; try fewer epochs."
         if recall.rate_after < SAFE_RECALL:  # not ready either way: say both
             headline = f"{_not_ready(recall)} It also got worse at general English."
-            advice.append(f"{_handles(kinds)} {_what_to_add(kinds)}" if kinds else _what_to_add(kinds))
-            advice.append(OPEN_BOOK)
+            advice += _not_ready_advice(kinds)
         advice.append(
             f"Try fewer epochs{tips.fewer_epochs} or a lower learning rate{tips.half_lr}"
             " to keep its general skills."
@@ -273,8 +279,7 @@ def _judge(
             )
     else:
         level, headline = "partial", _not_ready(recall)
-        advice.append(f"{_handles(kinds)} {_what_to_add(kinds)}" if kinds else _what_to_add(kinds))
-        advice.append(OPEN_BOOK)
+        advice += _not_ready_advice(kinds)
     return level, headline, advice
 
 

@@ -99,12 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     def also(model, tokenizer, after: dict) -> None:
         as_written = recall.employee_questions(
             model, tokenizer, [Fact("team_faq.csv", q, fact) for q, _, fact in FAQ])
-        after["also"] = {"items": after["employee"]["items"],
-                         "faq_as_written": f"{as_written['hits']}/{as_written['n']}"}
+        after["also"] = {"faq_as_written": f"{as_written['hits']}/{as_written['n']}"}
 
     result = recall.run(["default"], Path(args.models_dir), seed=args.seed, also=also)
     r = result["recipes"]["default"]
-    items = r["also"]["items"]
+    items = r["employee_items"]
     print(json.dumps({
         "seed": args.seed, "faq": not args.no_faq,
         "with a pair": tally(items, [fact for _, _, fact in FAQ]),

@@ -169,7 +169,7 @@ def recipe_spec(name: str, docs: list) -> dict:
             spec[key] = json.loads(value)
         except json.JSONDecodeError:
             spec[key] = value
-    if spec.get("lora_modules", "mlp") not in LORA_MODULES:
+    if spec.get("lora_modules") not in (None, *LORA_MODULES):
         raise ValueError(f"lora_modules is one of {sorted(LORA_MODULES)}")
     return spec
 

@@ -194,11 +194,15 @@ def _split_block(block: str) -> list[str]:
     return out
 
 
+def _folded(text: str) -> str:
+    """Casefolded, whitespace collapsed to single spaces."""
+    return re.sub(r"\s+", " ", text.casefold()).strip()
+
+
 def normalise(text: str) -> str:
     """Casefold, collapse whitespace, strip punctuation at both ends: the form answers
     and model outputs are compared in."""
-    text = re.sub(r"\s+", " ", text.casefold()).strip()
-    return re.sub(r"^[\W_]+|[\W_]+$", "", text)
+    return re.sub(r"^[\W_]+|[\W_]+$", "", _folded(text))
 
 
 def contains_answer(output: str, answer: str) -> bool:
@@ -221,7 +225,7 @@ def _sign(ch: str) -> bool:
 def _answer_form(answer: str) -> str:
     """The answer casefolded, whitespace collapsed, punctuation stripped at both ends except
     percent and currency signs."""
-    text = re.sub(r"\s+", " ", answer.casefold()).strip()
+    text = _folded(answer)
     start, end = 0, len(text)
     while start < end and not (text[start].isalnum() or _sign(text[start])):
         start += 1
@@ -237,7 +241,7 @@ def gives_answer(output: str, answer: str) -> bool:
     the lenient test for whether a question or prompt gives its answer away."""
     a = _answer_form(answer)
     pattern = re.escape(a).replace("%", r"(?:%|\s?per\s?cent)")
-    return bool(a) and _whole_words(pattern, re.sub(r"\s+", " ", output.casefold()))
+    return bool(a) and _whole_words(pattern, _folded(output))
 
 
 def _find_spans(sentence: str) -> list[tuple[int, int, str]]:
