@@ -55,6 +55,15 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 # name -> (low, high): the bounds the form accepts and the recipe enforces.
 LIMITS = {f.name: (f.low, f.high) for f in FIELDS}
 
+# Which of a block's projections a LoRA job adapts (the `lora_modules` setting): every one
+# unless a job says otherwise. A job that continues an earlier version keeps the projections
+# that version's adapter has (worker.training.continued.adapter_settings).
+LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "all": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "mlp": ("gate_proj", "up_proj", "down_proj"),
+    "attention": ("q_proj", "k_proj", "v_proj", "o_proj"),
+}
+
 
 # The recipe measured on the fixture corpus (README "Making recall real", reproduced by
 # `python -m scripts.experiments.recall`): practice questions made from the facts, a

@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from app.contract.training import LORA_MODULES
+
 _QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
 _LR1 = _QA2 | {"learning_rate": 1e-3}
 _DEFAULT = _LR1 | {"replay": 16}  # the app's default on this corpus (app.contract.training)
@@ -119,29 +121,6 @@ def _ablated(what: str | None):
         build.training_questions = saved
 
 
-# LoRA on some of a block's projections only (the recall experiment's `lora_modules`
-# setting); the app's jobs adapt every one (worker.training.recipe.LORA_TARGETS).
-LORA_MODULES = {
-    "mlp": ["gate_proj", "up_proj", "down_proj"],
-    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
-
-
-@contextlib.contextmanager
-def _lora_modules(which: str | None):
-    """LoRA adapters on the named group of projections (LORA_MODULES) while a recipe sets
-    up its model; every projection when None."""
-    from worker.training import recipe
-
-    saved = recipe.LORA_TARGETS
-    if which is not None:
-        recipe.LORA_TARGETS = LORA_MODULES[which]
-    try:
-        yield
-    finally:
-        recipe.LORA_TARGETS = saved
-
-
 def default_recipe(docs: list) -> dict:
     """What the Train button would use for this corpus (app.contract.training)."""
     from app.contract.training import default_params
@@ -169,7 +148,7 @@ def recipe_spec(name: str, docs: list) -> dict:
             spec[key] = json.loads(value)
         except json.JSONDecodeError:
             spec[key] = value
-    if spec.get("lora_modules") not in (None, *LORA_MODULES):
+    if spec.get("lora_modules", "all") not in LORA_MODULES:
         raise ValueError(f"lora_modules is one of {sorted(LORA_MODULES)}")
     return spec
 
@@ -313,7 +292,6 @@ def run(
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             rewordings = spec.pop("synonyms", 0)  # thesaurus rewordings per practice question
-            modules = spec.pop("lora_modules", None)  # LORA_MODULES key: LoRA on those only
             with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
@@ -364,8 +342,7 @@ def run(
                 pad_token_id=pad,
                 engine=EngineOptions(kind="memory"),
             )
-            with _lora_modules(modules):
-                recipe.setup()
+            recipe.setup()
             metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)

@@ -40,31 +40,7 @@ def test_a_recipe_name_takes_overrides_of_the_defaults():
     assert _known("default+epochs=5") and not _known("nonesuch") and not _known("default+epochs")
 
 
-def test_lora_on_some_projections_only(tmp_path):
-    """`lora_modules=mlp` puts the adapters on the MLP's projections only while the recipe
-    sets up, and leaves the app's targets as they were."""
-    import torch
-    from peft import PeftModel
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from scripts.experiments.recall import LORA_MODULES, _known, _lora_modules
-    from worker.training import recipe
+def test_lora_modules_is_a_recipe_setting():
+    from scripts.experiments.recall import _known
 
     assert _known("default+lora_modules=mlp") and not _known("default+lora_modules=heads")
-    everything = list(recipe.LORA_TARGETS)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
-    torch.manual_seed(0)
-    example = {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}
-    run = recipe.FineTuneRecipe(
-        LlamaForCausalLM(config), [example], recipe.TrainConfig(), tmp_path,
-        engine=recipe.EngineOptions(kind="memory"),
-    )
-    with _lora_modules("mlp"):
-        assert recipe.LORA_TARGETS == LORA_MODULES["mlp"]
-        run.setup()
-    assert recipe.LORA_TARGETS == everything
-    assert isinstance(run.model, PeftModel)
-    adapted = {n.split(".lora_A")[0].rsplit(".", 1)[1] for n, _ in run.model.named_parameters()
-               if ".lora_A" in n}
-    assert adapted == {"gate_proj", "up_proj", "down_proj"}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from app.contract.training import LORA_MODULES
 from worker.errors import UserFacingError
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,22 @@ def load_model_weights(model: torch.nn.Module, folder: Path) -> int:
 
 
 def adapter_settings(folder: Path) -> dict[str, Any]:
-    """The LoRA settings a continued adapter must keep: rank and alpha."""
+    """The LoRA settings a continued adapter must keep: rank, alpha and the projections it
+    adapts (a name of LORA_MODULES; UserFacingError for a set no job trains)."""
     config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    return {"lora_rank": int(config["r"]), "lora_alpha": float(config["lora_alpha"])}
+    targets = config.get("target_modules") or []
+    targets = {targets} if isinstance(targets, str) else set(targets)
+    modules = next((name for name, names in LORA_MODULES.items() if set(names) == targets), None)
+    if modules is None:
+        raise UserFacingError(
+            f"The previous version's adapter adapts {', '.join(sorted(targets)) or 'nothing'}, "
+            "which no DocTune job trains. Start from the base model instead."
+        )
+    return {
+        "lora_rank": int(config["r"]),
+        "lora_alpha": float(config["lora_alpha"]),
+        "lora_modules": modules,
+    }
 
 
 def load_adapter_weights(model: torch.nn.Module, folder: Path) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 from app.contract.machine_profile import FORMAT as PROFILE_FORMAT
 from app.contract.machine_profile import checked_profile
 from app.contract.machine_profile import is_current as profile_is_current
+from app.contract.training import LORA_MODULES
 from app.settings import settings
 from worker.files import write_json_atomic
 
@@ -38,8 +39,6 @@ DISK_MIB = 256  # enough to get past the disk's write cache; about a second on a
 # vocabulary, the optimizer): SmolLM2-135M LoRA steps at 4 x 256 tokens through the engine
 # ran at 0.49 of the rate measure_flops() gave in the same process (2-core CPU).
 COMPUTE_EFFICIENCY = 0.5
-# LoRA adapters on every linear layer of a block (worker.training.recipe.LORA_TARGETS).
-_LORA_SHAPES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 def measure_disk(directory: Path, mib: int = DISK_MIB) -> dict:
@@ -70,14 +69,15 @@ def measure_flops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 / sorted(times)[len(times) // 2]
 
 
-def lora_params(config, rank: int) -> int:
-    """Adapter parameters of rank `rank` on every linear layer of every block."""
+def lora_params(config, rank: int, modules: str = "all") -> int:
+    """Adapter parameters of rank `rank` on the projections `modules` names
+    (app.contract.training.LORA_MODULES) of every block."""
     h, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     kv = (getattr(config, "num_key_value_heads", None) or heads) * (h // heads)
-    fan = {"q": (h, h), "k": (h, kv), "v": (h, kv), "o": (h, h),
-           "gate": (h, inter), "up": (h, inter), "down": (inter, h)}  # fmt: skip
-    per_block = sum(rank * (fan[n][0] + fan[n][1]) for n in _LORA_SHAPES)
+    fan = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+           "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}  # fmt: skip
+    per_block = sum(rank * sum(fan[n]) for n in LORA_MODULES[modules])
     return per_block * config.num_hidden_layers
 
 
@@ -144,7 +144,9 @@ def build_profile(
             seq_len=ref.max_seq_len,
             mode=method,
             clip=bool(ref.grad_clip),
-            lora_params=lora_params(config, ref.lora_rank) if method == "lora" else 0,
+            lora_params=(
+                lora_params(config, ref.lora_rank, ref.lora_modules) if method == "lora" else 0
+            ),
         )
         methods[method] = {k: (v if v != float("inf") else None) for k, v in p.to_dict().items()}
     base = streamed_base(model_dir, read, stream)

@@ -31,6 +31,7 @@ import torch
 from app.contract.training import (
     CHECKPOINT_EVERY,
     LIMITS,
+    LORA_MODULES,
     METHODS,
     checkpoints_after,
     is_checkpoint_step,
@@ -50,7 +51,6 @@ from worker.training.resources import auto_budget_bytes, configure_threads
 
 log = logging.getLogger(__name__)
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 CHECKPOINT_FORMAT = 2  # 2: the engine writes its own files; meta.json names the engine
 TRAINED = "trained.safetensors"  # a pipeline-parallel run's trained weights, after its last step
 ENGINES = ("offload", "memory")
@@ -121,6 +121,7 @@ class TrainConfig:
     lora_rank: int = 16
     lora_alpha: float | None = None  # None -> 2 * rank
     lora_dropout: float = 0.0  # 0: no RNG in the forward pass, runs repeat exactly
+    lora_modules: str = "all"  # which projections LoRA adapts: a key of LORA_MODULES
     max_seq_len: int = 256
     # Examples per micro-batch. On a CPU tokens/s barely depends on it (matmuls are already
     # large at 256 tokens); smaller batches give small corpora more optimizer steps.
@@ -152,6 +153,10 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserFacingError(f"{name} must be at least 1.")
+        if self.lora_modules not in LORA_MODULES:
+            raise UserFacingError(
+                f"lora_modules must be one of {', '.join(LORA_MODULES)}, not {self.lora_modules!r}."
+            )
         if self.max_steps is not None and self.max_steps < 1:
             raise UserFacingError("max_steps must be at least 1.")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.lora_dropout < 1.0:
@@ -274,7 +279,7 @@ class FineTuneRecipe:
                 r=cfg.lora_rank,
                 lora_alpha=cfg.lora_alpha,
                 lora_dropout=cfg.lora_dropout,
-                target_modules=LORA_TARGETS,
+                target_modules=list(LORA_MODULES[cfg.lora_modules]),
                 task_type="CAUSAL_LM",
             )
             self.model = get_peft_model(self.model, lora)

@@ -9,6 +9,7 @@ random model the app tests use as base model."""
 from __future__ import annotations
 
 import io
+import json
 import time
 import zipfile
 from pathlib import Path
@@ -27,10 +28,16 @@ from app.services.projects import create_project
 from app.services.uploads import receive_local_file
 from app.settings import settings
 from tests.fixtures import docs as fx
+from worker.errors import UserFacingError
 from worker.ingest import ingest_document
 from worker.jobs.inputs import plan_inputs, replay_plan
 from worker.jobs.run import job_workdir, run_job
-from worker.training.continued import adapter_start, load_model_weights, unpack_model
+from worker.training.continued import (
+    adapter_settings,
+    adapter_start,
+    load_model_weights,
+    unpack_model,
+)
 from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
 
 FACTS = [
@@ -128,6 +135,32 @@ def test_a_continued_recipe_starts_from_the_previous_adapter(
         first.cleanup(remove_checkpoint=True)
 
 
+@pytest.mark.parametrize(
+    ("targets", "expected"),
+    [
+        (["down_proj", "up_proj", "gate_proj"], "mlp"),  # peft writes them in any order
+        (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "all"),
+        (["o_proj", "v_proj", "q_proj", "k_proj"], "attention"),
+    ],
+)
+def test_a_continued_adapter_keeps_its_rank_alpha_and_projections(tmp_path, targets, expected):
+    config = {"r": 8, "lora_alpha": 16, "target_modules": targets}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_settings(tmp_path) == {
+        "lora_rank": 8,
+        "lora_alpha": 16.0,
+        "lora_modules": expected,
+    }
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "q_proj", [], None])
+def test_an_adapter_on_projections_no_job_trains_is_refused_in_plain_words(tmp_path, targets):
+    config = {"r": 8, "lora_alpha": 16, "target_modules": targets}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserFacingError, match="Start from the base model"):
+        adapter_settings(tmp_path)
+
+
 # --- the whole path: job rows, worker code, exports ---------------------------------------
 
 
@@ -178,14 +211,18 @@ def test_the_next_version_continues_the_current_one_on_new_and_replayed_document
         project_id = create_project(session, f"Incremental {time.monotonic_ns()}").id
     fx.make_txt(tmp_path / "facts.txt", FACTS * 4)
     _add_files(project_id, [tmp_path / "facts.txt"])
-    v1 = _train(project_id, {"max_steps": 4, "learning_rate": 5e-3, "lora_rank": 4, "seed": 1})
+    v1 = _train(
+        project_id,
+        {"max_steps": 4, "learning_rate": 5e-3, "lora_rank": 4, "lora_modules": "mlp", "seed": 1},
+    )
     assert v1.state == JobState.done and v1.parent_job_id is None, v1.error
 
     fx.make_txt(tmp_path / "new.txt", NEW_FACTS * 4)
     _add_files(project_id, [tmp_path / "new.txt"])
     # One step at the smallest learning rate: v2's adapter must still be v1's, give or take
     # one tiny step, if (and only if) it started from v1's weights. Its own default rank (16)
-    # gives way to v1's (4): a continued adapter keeps its shape.
+    # and projections (all seven) give way to v1's (4, the MLP's three): a continued adapter
+    # keeps its shape.
     v2 = _train(project_id, {"max_steps": 1, "learning_rate": 1e-6})
     assert v2.state == JobState.done, v2.error
     assert v2.parent_job_id == v1.id
@@ -195,9 +232,10 @@ def test_the_next_version_continues_the_current_one_on_new_and_replayed_document
         "facts.txt": (False, "replay"),
         "new.txt": (True, "new"),
     }
-    assert v2.params["lora_rank"] == 4
+    assert (v2.params["lora_rank"], v2.params["lora_modules"]) == (4, "mlp")
     before, after = _adapter(v1), _adapter(v2)
     assert before.keys() == after.keys()
+    assert {k.split(".")[-3] for k in before} == {"gate_proj", "up_proj", "down_proj"}
     moved = max((after[k] - before[k]).abs().max().item() for k in before)
     spread = max(before[k].abs().max().item() for k in before if "lora_B" in k)
     assert moved < 1e-5 < spread  # started at v1's weights, which are far from a fresh start

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from app.contract.training import LORA_MODULES
 from app.settings import settings
 from tests.worker.conftest_training import tiny_model_dir
 from worker.training import machine_profile as mp
@@ -53,16 +54,16 @@ def test_profile_has_sane_numbers(tiny_dir, tmp_path):
     assert base["scoring_s"] == pytest.approx(expected)
 
 
-def test_lora_parameter_count_matches_peft(tiny_dir):
+@pytest.mark.parametrize("modules", list(LORA_MODULES))
+def test_lora_parameter_count_matches_peft(tiny_dir, modules):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from worker.training.recipe import LORA_TARGETS
-
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    peft_model = get_peft_model(model, LoraConfig(r=16, target_modules=LORA_TARGETS))
+    targets = list(LORA_MODULES[modules])
+    peft_model = get_peft_model(model, LoraConfig(r=16, target_modules=targets))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert mp.lora_params(model.config, 16) == trainable
+    assert mp.lora_params(model.config, 16, modules) == trainable
 
 
 def test_measure_and_write_is_atomic_and_marks_the_profile_current(tiny_dir, tmp_path):

@@ -103,8 +103,34 @@ def test_config_round_trips_and_validates():
         config(learning_rate=0.5)
     with pytest.raises(ValueError, match="Unknown"):
         TrainConfig.from_dict({"learning_rte": 1e-3})
+    with pytest.raises(ValueError, match="lora_modules must be one of all, mlp, attention"):
+        config(lora_modules="heads")
     assert cfg.steps_per_epoch(13) == 5  # 3 + 3 + 3 + 3 + 1: the short batch is kept
     assert config(max_steps=5).total_steps(13) == 5
+
+
+@pytest.mark.parametrize(
+    ("modules", "adapted"),
+    [
+        ("mlp", {"gate_proj", "up_proj", "down_proj"}),
+        ("attention", {"q_proj", "k_proj", "v_proj", "o_proj"}),
+        ("all", {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    ],
+)
+def test_lora_adapts_the_projections_the_config_names(
+    modules, adapted, tiny_dir, examples, tmp_path
+):
+    run = FineTuneRecipe(
+        load(tiny_dir), examples, config(lora_modules=modules), tmp_path,
+        engine=EngineOptions(kind="memory"),
+    )  # fmt: skip
+    run.setup()
+    try:
+        names = [n for n, p in run.model.named_parameters() if p.requires_grad]
+        assert {n.split(".lora_")[0].rsplit(".", 1)[1] for n in names} == adapted
+        assert all(".lora_" in n for n in names)
+    finally:
+        run.cleanup(remove_checkpoint=True)
 
 
 def test_pad_batch_masks_padding():
