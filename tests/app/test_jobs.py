@@ -74,6 +74,19 @@ def test_job_page_renders_every_state(client, state):
     assert "Traceback" not in page.text
 
 
+@pytest.mark.parametrize(
+    ("modules", "shown"),
+    [("mlp", "the MLP only"), ("all", "attention and MLP (every projection)"), (None, None)],
+)
+def test_the_settings_say_which_layers_lora_adapted(client, modules, shown):
+    params = {"method": "lora", "epochs": 4, "lora_rank": 16}
+    job_id = _job(JobState.done, params=params | ({"lora_modules": modules} if modules else {}))
+    page = client.get(f"/jobs/{job_id}").text
+    assert ("LoRA adapts" in page) == (shown is not None)  # an older job did not say
+    if shown:
+        assert f"<dt>LoRA adapts</dt><dd>{shown}</dd>" in page
+
+
 def test_live_fragment_for_htmx_and_the_full_page_otherwise(client):
     job_id = _job(JobState.running)
     fragment = client.get(f"/jobs/{job_id}", headers=htmx("job-live"))
