@@ -102,12 +102,17 @@ RECIPES: dict[str, dict] = {
     "default-qa4-full-1e-4-all": _FULL | {"holdout_frac": 0.0},
     # An ablation: no practice question in the card's forward shape (the builder patched).
     "default-no-fronted": _DEFAULT | {"ablate": "fronted"},
+    # ... or every fact practised as the card's own facts are (no fronted or echoed question).
+    "default-as-probed": _DEFAULT | {"ablate": "as_probed"},
 }
+ABLATIONS = ("fronted", "as_probed")
 
 
 @contextlib.contextmanager
 def _ablated(what: str | None):
-    """The dataset builder without one kind of practice question, for an ablation."""
+    """The dataset builder without some practice questions, for an ablation (ABLATIONS):
+    "fronted", no question in the card's forward shape; "as_probed", every fact practised
+    as a fact on the card is."""
     from worker.dataset import build
 
     saved = build.training_questions
@@ -115,6 +120,8 @@ def _ablated(what: str | None):
         build.training_questions = lambda fact, probed: [
             t for t in saved(fact, probed) if t[0] != "fronted"
         ]
+    elif what == "as_probed":  # every fact practised as a probed one is (no probe shapes)
+        build.training_questions = lambda fact, probed: saved(fact, True)
     try:
         yield
     finally:
@@ -150,6 +157,8 @@ def recipe_spec(name: str, docs: list) -> dict:
             spec[key] = value
     if spec.get("lora_modules", "all") not in LORA_MODULES:
         raise ValueError(f"lora_modules is one of {sorted(LORA_MODULES)}")
+    if spec.get("ablate") not in (None, *ABLATIONS):
+        raise ValueError(f"ablate is one of {list(ABLATIONS)}")
     return spec
 
 

@@ -44,3 +44,20 @@ def test_lora_modules_is_a_recipe_setting():
     from scripts.experiments.recall import _known
 
     assert _known("default+lora_modules=mlp") and not _known("default+lora_modules=heads")
+
+
+def test_the_as_probed_ablation_practises_every_fact_as_a_card_fact():
+    from scripts.experiments.recall import _ablated, _known
+    from worker.dataset import build
+    from worker.dataset.questions import Fact
+
+    assert _known("default-as-probed") and not _known("default+ablate=nonesuch")
+    sentence = "Laptops are replaced every 42 months."
+    start = sentence.index("42 months")
+    fact = Fact(sentence, start, start + len("42 months"), "quantity", source="it_policy.html",
+                lower_first=True)
+    shapes = {t for t, _, _ in build.training_questions(fact, False)}
+    assert "fronted" in shapes
+    with _ablated("as_probed"):
+        assert build.training_questions(fact, False) == build.training_questions(fact, True)
+    assert {t for t, _, _ in build.training_questions(fact, False)} == shapes
