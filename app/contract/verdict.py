@@ -35,6 +35,11 @@ SAFE_RECALL = 0.6
 # Below this headline recall a colleague gets most answers wrong (under half right, given
 # the 10 points of calibration); between it and SAFE_RECALL, often wrong.
 MOSTLY_WRONG = 0.4
+# "Safe to use" also needs enough questions to rule out a model that is mostly wrong: the
+# lower end of the headline's 90% confidence interval (Wilson score, z = 1.645) at least
+# MOSTLY_WRONG. A card of 40 or 29 questions clears it at SAFE_RECALL (the lower ends are 47%);
+# one of 10 needs 7 right and one of 6 needs 5: 6 of 10 right leaves anything from 35% to 81%.
+CONFIDENCE_Z = 1.645
 # A kind of question answered less often than this is "rarely" answered.
 RARELY = 0.25
 # Fewer newly recalled facts than this (and than MIN_GAIN_SHARE of the probes) is "barely
@@ -218,6 +223,28 @@ def _not_ready_advice(kinds: list[KindFigures]) -> list[str]:
     return [add, OPEN_BOOK]
 
 
+def wilson_lower(hits: int, n: int, z: float = CONFIDENCE_Z) -> float:
+    """The lower end of the Wilson score interval for `hits` of `n` (Wilson 1927): the rate
+    p below hits/n with (hits/n - p)^2 = z^2 p (1 - p) / n. Unlike hits/n minus a normal
+    margin it stays within 0..1 and holds up for the few dozen questions a card asks."""
+    if n <= 0:
+        return 0.0
+    p, zz = hits / n, z * z
+    centre = p + zz / (2 * n)
+    margin = z * math.sqrt(p * (1 - p) / n + zz / (4 * n * n))
+    return max(0.0, (centre - margin) / (1 + zz / n))
+
+
+def _too_few(recall: RecallFigures) -> str:
+    """The headline of a model that scored high on too few questions to call it safe."""
+    what = "questions about your documents" if recall.kind == "questions" else "facts"
+    return (
+        f"Answers {recall.after} of {recall.n} {what} correctly (was {recall.before}). "
+        f"Not sure yet: {recall.n} are too few to tell a ready model from one that is "
+        "often wrong."
+    )
+
+
 def _not_ready(recall: RecallFigures) -> str:
     """The partial level's headline: what the model can and cannot do yet."""
     if recall.kind == "questions":
@@ -268,6 +295,14 @@ def _judge(
             f"Try fewer epochs{tips.fewer_epochs} or a lower learning rate{tips.half_lr}"
             " to keep its general skills."
         )
+    elif recall.rate_after >= SAFE_RECALL and wilson_lower(recall.after, recall.n) < MOSTLY_WRONG:
+        level, headline = "partial", _too_few(recall)
+        advice.append(
+            "Check the side-by-side answers below before you rely on it, and add documents or "
+            "question-answer pairs (CSV or JSONL) that state more facts, so the next job can "
+            "ask more questions."
+        )
+        advice.append(OPEN_BOOK)
     elif recall.rate_after >= SAFE_RECALL:
         level, headline = "good", f"{learned} Safe to use."
         if _weak(kinds):

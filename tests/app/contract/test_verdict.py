@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from app.contract.scores import forgetting, headline_recall
-from app.contract.verdict import FORGETTING_RISE, SAFE_RECALL, verdict
+from app.contract.verdict import (
+    FORGETTING_RISE,
+    MOSTLY_WRONG,
+    OPEN_BOOK,
+    SAFE_RECALL,
+    verdict,
+    wilson_lower,
+)
 
 
 def side(hits: int, n: int = 40, general: float | None = 20.0, ppl: float = 30.0, **kw) -> dict:
@@ -43,6 +50,37 @@ def test_learned_and_safe():
     assert v.level == "good" and v.ok
     assert any("31 of 40 questions about your documents" in d for d in v.details)
     assert any("no sign of forgetting" in d for d in v.details)
+
+
+def test_too_few_questions_to_call_it_safe():
+    # 6 of 10 is SAFE_RECALL, but ten questions cannot rule out a model that is mostly wrong.
+    v = verdict(side(0, n=10), side(6, n=10), PARAMS)
+    assert v.level == "partial" and not v.ok
+    assert v.headline == (
+        "Answers 6 of 10 questions about your documents correctly (was 0). Not sure yet: 10 "
+        "are too few to tell a ready model from one that is often wrong."
+    )
+    assert v.advice[0].startswith("Check the side-by-side answers below before you rely on it")
+    assert v.advice[-1] == OPEN_BOOK
+    assert verdict(side(0, n=10), side(7, n=10), PARAMS).level == "good"
+    assert verdict(side(0, n=6), side(5, n=6), PARAMS).level == "good"
+    assert verdict(side(0, n=6), side(4, n=6), PARAMS).level == "partial"
+
+
+@pytest.mark.parametrize(
+    ("hits", "n", "lower"),
+    # Wilson score intervals at 90%: 6 of 10 runs from 35% to 81%.
+    [(6, 10, 0.3516), (24, 40, 0.4700), (18, 29, 0.4684), (5, 5, 0.6487), (0, 8, 0.0)],
+)
+def test_the_confidence_bound(hits, n, lower):
+    assert wilson_lower(hits, n) == pytest.approx(lower, abs=5e-4)
+    # The bound is where the observed rate is z standard errors away: (p^ - p)^2 = z^2 p(1-p)/n.
+    p, z = wilson_lower(hits, n), 1.645
+    assert (hits / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, abs=1e-9)
+    # Every card of 29 questions or more that reaches SAFE_RECALL clears the bound.
+    for size in range(29, 101):
+        hits_needed = -(-int(SAFE_RECALL * 100) * size // 100)
+        assert wilson_lower(hits_needed, size) >= MOSTLY_WRONG
 
 
 def test_barely_changed():
