@@ -237,11 +237,13 @@ def wilson_lower(hits: int, n: int, z: float = CONFIDENCE_Z) -> float:
 
 def _too_few(recall: RecallFigures) -> str:
     """The headline of a model that scored high on too few questions to call it safe."""
-    what = "questions about your documents" if recall.kind == "questions" else "facts"
+    if recall.kind == "questions":
+        scored = f"Answers {recall.after} of {recall.n} questions about your documents correctly"
+    else:
+        scored = f"Fills in {recall.after} of {recall.n} facts from your documents"
     return (
-        f"Answers {recall.after} of {recall.n} {what} correctly (was {recall.before}). "
-        f"Not sure yet: {recall.n} are too few to tell a ready model from one that is "
-        "often wrong."
+        f"{scored} (was {recall.before}). Not sure yet: {recall.n} are too few to tell a "
+        "ready model from one that is often wrong."
     )
 
 

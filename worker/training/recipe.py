@@ -153,7 +153,7 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise UserFacingError(f"{name} must be at least 1.")
-        if self.lora_modules not in LORA_MODULES:
+        if not isinstance(self.lora_modules, str) or self.lora_modules not in LORA_MODULES:
             raise UserFacingError(
                 f"lora_modules must be one of {', '.join(LORA_MODULES)}, not {self.lora_modules!r}."
             )

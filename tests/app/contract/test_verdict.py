@@ -65,6 +65,10 @@ def test_too_few_questions_to_call_it_safe():
     assert verdict(side(0, n=10), side(7, n=10), PARAMS).level == "good"
     assert verdict(side(0, n=6), side(5, n=6), PARAMS).level == "good"
     assert verdict(side(0, n=6), side(4, n=6), PARAMS).level == "partial"
+    # An older job measured by sentence completions says it in its own words.
+    completions = {"perplexity": 30.0, "n_probes": 10, "general": {"perplexity": 20.0}}
+    v = verdict(completions | {"n_recalled": 0}, completions | {"n_recalled": 6}, PARAMS)
+    assert v.headline.startswith("Fills in 6 of 10 facts from your documents (was 0). Not sure")
 
 
 @pytest.mark.parametrize(

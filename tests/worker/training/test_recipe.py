@@ -105,6 +105,8 @@ def test_config_round_trips_and_validates():
         TrainConfig.from_dict({"learning_rte": 1e-3})
     with pytest.raises(ValueError, match="lora_modules must be one of all, mlp, attention"):
         config(lora_modules="heads")
+    with pytest.raises(ValueError, match="lora_modules must be one of"):
+        config(lora_modules=["q_proj"])  # a stored job's settings are read back as JSON
     assert cfg.steps_per_epoch(13) == 5  # 3 + 3 + 3 + 3 + 1: the short batch is kept
     assert config(max_steps=5).total_steps(13) == 5
 
