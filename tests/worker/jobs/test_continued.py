@@ -264,9 +264,6 @@ def test_a_full_fine_tune_continues_the_previous_full_version_from_its_merged_we
     _add_files(project_id, [tmp_path / "facts.txt"])
     v1 = _train(project_id, {"max_steps": 4, "learning_rate": 5e-3, "seed": 1}, "full")
     assert v1.state == JobState.done and v1.parent_job_id is None, v1.error
-    # An adapter on the MLP only exports like any other: adapter, merged model, GGUF.
-    assert not v1.export_errors and {"adapter", "merged"} <= set(v1.artifacts), v1.export_errors
-    assert any(kind.startswith("gguf") for kind in v1.artifacts), sorted(v1.artifacts)
     assert "previous" not in v1.scores
 
     fx.make_txt(tmp_path / "new.txt", NEW_FACTS * 4)
