@@ -229,11 +229,17 @@ def other_words(fact: Fact) -> Asked | None:
             return None
     if not _attaches(resolved):
         return None
-    question = _how_long(question)
+    question = _without_asides(_how_long(question))
     short = _shorten(question, fact.standalone, fact.answer)
     if short is None:
         return None
     return Asked(OTHER, short, fact.answer, fact.sentence, fact.source, template=template)
+
+
+def _without_asides(question: str) -> str:
+    """ "How much does the Bronze Tune-Up (SV-110) cost?" -> "How much does the Bronze
+    Tune-Up cost?": a colleague leaves out the code or note a document puts in brackets."""
+    return re.sub(r"\s*\([^()]*\)", "", question)
 
 
 _TIME_UNITS = r"(?:seconds|minutes|hours|days|weeks|months|years|working days|business days)"

@@ -116,6 +116,16 @@ def test_forward_questions_are_short_and_in_few_of_the_documents_words():
         assert well_formed(question, "")
 
 
+def test_a_code_in_brackets_is_left_out_of_the_question():
+    text = (
+        "The Harbour Kettle (HK-210) boils a litre in two minutes. It costs £36. "
+        "The Lantern Lamp (LL-7) lights the whole room."
+    )
+    asked = _forward(text)
+    assert asked["£36"] == "How much does the Harbour Kettle cost?"
+    assert all("(" not in q for q in asked.values())
+
+
 @pytest.mark.parametrize(
     "text",
     [
