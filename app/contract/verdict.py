@@ -235,15 +235,20 @@ def wilson_lower(hits: int, n: int, z: float = CONFIDENCE_Z) -> float:
     return max(0.0, (centre - margin) / (1 + zz / n))
 
 
+def _scored(recall: RecallFigures) -> str:
+    """What it got right, before and after, in the words of the headline's kind."""
+    if recall.kind == "questions":
+        done = f"Answers {recall.after} of {recall.n} questions about your documents correctly"
+    else:
+        done = f"Fills in {recall.after} of {recall.n} facts from your documents"
+    return f"{done} (was {recall.before})."
+
+
 def _too_few(recall: RecallFigures) -> str:
     """The headline of a model that scored high on too few questions to call it safe."""
-    if recall.kind == "questions":
-        scored = f"Answers {recall.after} of {recall.n} questions about your documents correctly"
-    else:
-        scored = f"Fills in {recall.after} of {recall.n} facts from your documents"
     return (
-        f"{scored} (was {recall.before}). Not sure yet: {recall.n} are too few to tell a "
-        "ready model from one that is often wrong."
+        f"{_scored(recall)} Not sure yet: {recall.n} are too few to tell a ready model from "
+        "one that is often wrong."
     )
 
 
@@ -251,14 +256,8 @@ def _not_ready(recall: RecallFigures) -> str:
     """The partial level's headline: what the model can and cannot do yet."""
     if recall.kind == "questions":
         how_often = "most of the time" if recall.rate_after < MOSTLY_WRONG else "often"
-        return (
-            f"Answers {recall.after} of {recall.n} questions about your documents correctly "
-            f"(was {recall.before}). Not ready: a colleague would get a wrong answer {how_often}."
-        )
-    return (
-        f"Fills in {recall.after} of {recall.n} facts from your documents (was "
-        f"{recall.before}). Not ready: it still misses {recall.n - recall.after} of them."
-    )
+        return f"{_scored(recall)} Not ready: a colleague would get a wrong answer {how_often}."
+    return f"{_scored(recall)} Not ready: it still misses {recall.n - recall.after} of them."
 
 
 def _judge(

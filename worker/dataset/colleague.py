@@ -238,7 +238,8 @@ def other_words(fact: Fact) -> Asked | None:
 
 def _without_asides(question: str) -> str:
     """ "How much does the Bronze Tune-Up (SV-110) cost?" -> "How much does the Bronze
-    Tune-Up cost?": a colleague leaves out the code or note a document puts in brackets."""
+    Tune-Up cost?": a colleague leaves out the code or note a document puts in brackets (and a
+    table's header its unit)."""
     return re.sub(r"\s*\([^()]*\)", "", question)
 
 
@@ -481,7 +482,7 @@ def row_text(table: Table, key: str) -> str:
 
 
 def _header_words(header: str) -> str:
-    return re.sub(r"\s*\(.*?\)\s*", " ", header).strip().lower()
+    return _without_asides(header).strip().lower()  # "Weight (kg)" -> "weight"
 
 
 def cell_question(header: str, key: str, value: str) -> str | None:
