@@ -20,8 +20,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing`:Futu
 # Two micro-batches per step: one process runs them one after the other, two ranks one
 # each, and the sum of two gradients is the same float in either order. Epochs enough for
 # the ranks to be still training when the job's process (polling each second) cancels or
-# kills one at step 3.
-TWO_MICRO = {"batch_size": 2, "grad_accum": 2, "epochs": 6}
+# kills one at step 3 (at 6 epochs, 24 steps, a fast CPU once finished first, 2026-12-05).
+TWO_MICRO = {"batch_size": 2, "grad_accum": 2, "epochs": 12}
 
 
 @pytest.fixture(scope="module")
