@@ -22,6 +22,7 @@ import webbrowser
 from collections.abc import Callable, Mapping
 
 from app.accounts.setup import setup_link as accounts_setup_link
+from app.children import spawn
 from app.contract.tasks import CHAT_QUEUE, INGEST_QUEUE, TRAIN_QUEUE
 from app.lan import is_loopback_name, scheme
 from app.migrate import upgrade_to_head
@@ -196,7 +197,7 @@ def run_workers(queues: list[str]) -> int:
 
     def start(procs: Procs) -> None:
         for queue in queues:
-            procs.append((f"{queue} worker", subprocess.Popen(worker_cmd(queue), env=env)))
+            procs.append((f"{queue} worker", spawn(worker_cmd(queue), env=env)))
         print(f"DocTune workers for {', '.join(queues)} started; press Ctrl-C to stop.",
               flush=True)
 
@@ -218,12 +219,12 @@ def run(with_web: bool = True) -> int:
             procs.append(("redis", start_private_redis(settings.redis_dir,
                                                        settings.private_redis_port)))
         for queue in (INGEST_QUEUE, TRAIN_QUEUE, CHAT_QUEUE):
-            procs.append((f"{queue} worker", subprocess.Popen(worker_cmd(queue), env=env)))
-        procs.append(("folder watcher", subprocess.Popen([sys.executable, "-m", "app.watcher"],
+            procs.append((f"{queue} worker", spawn(worker_cmd(queue), env=env)))
+        procs.append(("folder watcher", spawn([sys.executable, "-m", "app.watcher"],
                                                          env=env)))
         print(f"Watched folders: {settings.inbox_dir} (one per project)", flush=True)
         if with_web:
-            procs.append(("web", subprocess.Popen(web_cmd(), env=env)))
+            procs.append(("web", spawn(web_cmd(), env=env)))
             print(f"\n  DocTune is running: {_address()}\n", flush=True)
             if (warning := lan_warning()) is not None:
                 print(warning, flush=True)

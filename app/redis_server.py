@@ -19,6 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from app.children import spawn
+
 PASSWORD_FILE = "password"
 
 
@@ -110,14 +112,15 @@ def redis_config(data_dir: Path, port: int, password: str) -> str:
 
 def start_private_redis(data_dir: Path, port: int, timeout_s: float = 15.0) -> subprocess.Popen:
     """Start redis-server on 127.0.0.1:`port` with its files in `data_dir`, behind the password
-    of `private_redis_password`; wait until it answers."""
-    if port_open(port):
+    of `private_redis_password`; wait until it answers. One that an earlier DocTune left
+    running there (killed before it could stop its Redis) is shut down first."""
+    if port_open(port) and not _stop_left_over(data_dir, port, timeout_s):
         raise RuntimeError(
             f"Port {port} is already in use. Stop what runs there, set DOCTUNE_PRIVATE_REDIS_PORT "
             "to a free port, or point REDIS_URL at a Redis you run yourself."
         )
     password = private_redis_password(data_dir)
-    proc = subprocess.Popen([redis_binary(), "-"], stdin=subprocess.PIPE)
+    proc = spawn([redis_binary(), "-"], stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(redis_config(data_dir, port, password).encode())
     proc.stdin.close()
@@ -130,3 +133,43 @@ def start_private_redis(data_dir: Path, port: int, timeout_s: float = 15.0) -> s
         time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"redis-server did not start within {timeout_s:.0f} s")
+
+
+def _stop_left_over(data_dir: Path, port: int, timeout_s: float) -> bool:
+    """Shut down the private Redis an earlier DocTune left on `port` (a `kill -9` of
+    `doctune up` leaves it running): it is ours when it answers to this data dir's
+    password, which only this user can read. Its AOF keeps the queued tasks for the new
+    server. False when whatever listens there is not ours, or does not stop."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    def client(password: str | None) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            password=password,
+            socket_timeout=2,
+            retry=Retry(NoBackoff(), 0),  # something that is not Redis: say so now, not in 25 s
+        )
+
+    stranger, own = client(None), client(private_redis_password(data_dir))
+    try:
+        try:
+            stranger.ping()
+            return False  # no password at all: not a server of ours
+        except redis.AuthenticationError:
+            pass
+        own.ping()
+        own.shutdown()  # fsyncs the AOF, then exits
+    except redis.RedisError:
+        return False
+    finally:
+        stranger.close()
+        own.close()
+    deadline = time.monotonic() + timeout_s
+    while port_open(port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -4,13 +4,43 @@ when it opens a browser. The whole first start runs for real in tests/e2e/test_f
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from app import launcher
 from app.settings import settings
+
+
+def test_children_do_not_outlive_a_killed_launcher(tmp_path):
+    """`kill -9` of `doctune up` gives it no chance to stop what it started: each child
+    gets SIGTERM from the kernel instead, so nothing is left holding a port."""
+    script = (
+        "from app.children import spawn; import time\n"
+        "child = spawn(['sleep', '300']); print(child.pid, flush=True); time.sleep(300)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert os.path.exists(f"/proc/{child}")
+    parent.kill()
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its (new) parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture

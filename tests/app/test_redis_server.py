@@ -6,14 +6,18 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import redis
 
 from app.redis_server import (
+    port_open,
     private_redis_password,
     private_redis_url,
+    redis_binary,
     start_private_redis,
 )
 
@@ -67,6 +71,51 @@ def test_config_is_disabled(private):
         client.config_get("requirepass")
     with pytest.raises(redis.ResponseError, match="unknown command"):
         client.config_set("dir", "/tmp")
+
+
+def test_a_private_redis_left_running_by_a_killed_launcher_is_replaced(private):
+    """`kill -9` of `doctune up` leaves its Redis running: the next start recognises its own
+    (it answers to this data dir's password), stops it and starts afresh, the queue kept."""
+    folder, port, orphan = private
+    redis.Redis.from_url(private_redis_url(folder, port)).lpush("ingest", b"queued")
+    proc = start_private_redis(folder, port)
+    try:
+        assert orphan.wait(timeout=10) == 0  # shut down, not killed
+        client = redis.Redis.from_url(private_redis_url(folder, port))
+        assert client.lrange("ingest", 0, -1) == [b"queued"]  # the AOF kept it
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_a_port_held_by_something_else_is_refused_in_words(tmp_path):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"Port {port} is already in use"):
+            start_private_redis(tmp_path / "redis", port, timeout_s=2)
+
+
+@pytest.mark.parametrize("password", [None, "someone-elses-password-0123"])
+def test_someone_elses_redis_is_left_running(tmp_path, password):
+    """A Redis without a password, or with another, is not ours to stop."""
+    port = _free_port()
+    theirs = subprocess.Popen(
+        [redis_binary(), "--port", str(port), "--save", "", "--dir", str(tmp_path)]
+        + (["--requirepass", password] if password else []),
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not port_open(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(RuntimeError, match=f"Port {port} is already in use"):
+            start_private_redis(tmp_path / "redis", port, timeout_s=2)
+        assert theirs.poll() is None and redis.Redis(port=port, password=password).ping()
+    finally:
+        theirs.terminate()
+        theirs.wait(timeout=10)
 
 
 def test_a_password_file_others_can_read_is_refused(tmp_path):
