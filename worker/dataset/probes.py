@@ -393,7 +393,8 @@ def _make_candidate(
         end=s + len(answer),
         kind=kind,
         context=context,
-        lower_first=first.lower() in lowered,
+        # "Bikes must be back": an ordinary word, written in lower case elsewhere (as "bike").
+        lower_first=first.lower() in lowered or first.lower().removesuffix("s") in lowered,
     )
     return _Candidate(
         doc=doc, position=i, prompt=prompt, answer=answer, sentence=sentence, fact=fact
