@@ -50,11 +50,7 @@ OTHER, REVERSE, TABLE = "other words", "reverse", "table"
 MAX_SHARED = 3
 _MAX_WORDS = 16
 
-# A question word first, or a preposition it takes along ("Before what time ...").
-_WH_START = re.compile(
-    r"^(?:(?:By|Before|After|Within|For|Until|From|Over|Under|Since|During) "
-    r"(?:what|which|whom|how)|What|Which|Who|Whom|Where|When|How)\b"
-)
+_WH_START = re.compile(r"^(What|Which|Who|Whom|Where|When|How)\b")
 _FUNCTION = _PREPOSITIONS | _AUX | {
     "a", "an", "the", "and", "or", "but", "do", "does", "did", "what", "which", "who", "whom",
     "where", "when", "how", "many", "much", "our", "your", "my", "their", "its", "this",
@@ -116,14 +112,8 @@ def _content(text: str) -> set[str]:
 
 def shared_words(question: str, sentence: str, answer: str = "") -> set[str]:
     """The content words a question takes from its sentence (stems), the answer's own
-    words (a unit: "how many weeks") and the noun that names what is asked for ("which
-    portal", "what extension") left out: a colleague has to say what they want."""
-    asked_for = _ASKED_FOR.match(question)
-    named = _content(asked_for.group(1)) if asked_for else set()
-    return (_content(question) & _content(sentence)) - _content(answer) - named
-
-
-_ASKED_FOR = re.compile(r"^(?:[A-Z][a-z]+ )?(?:what|which|how many) ([a-z]+)\b", re.IGNORECASE)
+    words (a unit: "how many weeks") left out."""
+    return (_content(question) & _content(sentence)) - _content(answer)
 
 
 def well_formed(question: str, answer: str) -> bool:
@@ -232,14 +222,14 @@ def other_words(fact: Fact) -> Asked | None:
     if resolved is None:
         return None
     template, question = probe_question(resolved)
-    if template not in ("fronted", "subject") or _instruction_verb(resolved.prefix.split()):
+    if template not in ("fronted", "subject"):
         # Asked in place, it is the sentence with a gap: not a colleague's question.
         template, question = "plain", _plain_question(resolved)
         if question is None:
             return None
-    if not _attaches(resolved, question):
+    if not _attaches(resolved):
         return None
-    question = _without_asides(_with_preposition(_how_long(question)))
+    question = _without_asides(_how_long(question))
     short = _shorten(question, fact.standalone, fact.answer)
     if short is None:
         return None
@@ -262,90 +252,10 @@ def _how_long(question: str) -> str:
     m = re.match(rf"^How many {_TIME_UNITS} (.+) (within|for|after|in|every)\?$", question)
     if not m:
         return question
-    if m.group(2) == "within" and m.group(1).startswith("do I "):
-        return f"How soon must I {m.group(1).removeprefix('do I ')}?"  # an instruction's limit
     return f"{'How often' if m.group(2) == 'every' else 'How long'} {m.group(1)}?"
 
 
-_AMOUNT = re.compile(
-    r"^(How many \w+|How much|What time|What date|What year|What percentage|What number) "
-    r"(.+) (\w+)\?$"
-)
-
-
-def _with_preposition(question: str) -> str:
-    """An amount asked for keeps its preposition in front ("Before what time are sick days
-    reported?"), or drops an "at" or "on" a time needs no more ("What time is the huddle?"),
-    instead of leaving it stranded at the end, which is not well formed."""
-    m = _AMOUNT.match(question)
-    if not m or m.group(3) not in _PREPOSITIONS:
-        return question
-    wh, body, prep = m.groups()
-    if prep in ("at", "on") and wh in ("What time", "What date"):
-        return f"{wh} {body}?"
-    return f"{_cap(prep)} {wh[0].lower()}{wh[1:]} {body}?"
-
-
 _WE = {"we": "we", "you": "you", "i": "I"}
-# The verbs an instruction starts with ("Book leave through the Ledgerline portal",
-# "Collect your badge from ..."): office documents tell staff what to do.
-_INSTRUCTION_VERBS = {
-    "add", "apply", "arrive", "ask", "attend", "book", "bring", "call", "cancel", "check",
-    "clean", "collect", "complete", "confirm", "contact", "email", "enter", "file", "fill",
-    "follow", "forward", "give", "go", "hand", "head", "hold", "keep", "label", "leave", "lock",
-    "log", "notify", "order", "park", "pay", "phone", "pick", "post", "press", "print", "put",
-    "raise", "record", "register", "remove", "replace", "report", "request", "reserve",
-    "restart", "return", "ring", "save", "scan", "send", "sign", "speak", "store", "submit",
-    "switch", "take", "tell", "turn", "update", "use", "visit", "wait", "wear", "write",
-}  # fmt: skip
-_TO_ME = {"your": "my", "yours": "mine", "yourself": "myself", "you": "me"}
-_WEEKDAYS = {"Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"}
-
-
-def _without_opening(words: list[str]) -> list[str]:
-    """ "In an emergency, call the safety desk" -> "call the safety desk"; "To update,
-    hold ..." -> "hold ...": a short opening phrase before the instruction."""
-    if words and words[0].casefold() in ("in", "to"):
-        for i, word in enumerate(words[:5]):
-            if word.endswith(","):
-                return words[i + 1 :]
-    return words
-
-
-def _instruction_verb(words: list[str]) -> bool:
-    """The words tell the reader to do something ("Keep receipts for", "In an emergency,
-    call the safety desk on"), rather than say something of a subject."""
-    words = _without_opening(words)
-    if not words or words[0].casefold() not in _INSTRUCTION_VERBS:
-        return False
-    # "Mention that ...": what is said, not where or when.
-    return len(words) == 1 or words[1].casefold() not in ("that", "if", "whether")
-
-
-def _instruction(wh: str, words: list[str]) -> str | None:
-    """ "Book leave through" + "which portal" -> "Which portal do I book leave through?",
-    "Collect your badge from" + "whom" -> "Who do I collect my badge from?"; None when the
-    words are not an instruction."""
-    if not _instruction_verb(words):
-        return None
-    body = [words[0].casefold(), *(_TO_ME.get(w.casefold(), w) for w in words[1:])]
-    front = "Who" if wh == "whom" else _cap(wh)
-    return f"{front} do I {' '.join(body)}?"
-
-
-def _released(fact: Fact, words: list[str]) -> str | None:
-    """ "Version 3.8.2, released" + a date -> "When was version 3.8.2 released?"."""
-    if fact.kind != "date" or len(words) < 2 or not words[-2].endswith(","):
-        return None
-    done = words[-1]
-    if not (done.endswith("ed") and done.isalpha() and done.islower()):
-        return None
-    thing = [*words[:-2], words[-2].rstrip(",")]
-    if any(w.endswith((",", ":", ";")) for w in thing) or len(thing) > 5:
-        return None
-    if thing[0].casefold() in _LABELS:
-        thing[0] = thing[0].casefold()
-    return f"When was {' '.join(thing)} {done}?"
 
 
 def _plain_question(fact: Fact) -> str | None:
@@ -354,17 +264,13 @@ def _plain_question(fact: Fact) -> str | None:
     all-hands at 16:30" -> "When is the Friday all-hands?", "Today we employ 240 people"
     -> "How many people do we employ?", "Laptops are replaced every 42 months" -> "How
     often are laptops replaced?". None when no rule fits."""
-    wh, prefix, rest = wh_phrase(fact.kind, fact.answer, fact.prefix, fact.suffix)
-    words = _without_opening(prefix.split())
-    after = rest.split()
-    if after and not (after[0].startswith(",") or after[0].casefold() in _PREPOSITIONS):
-        return None  # the sentence goes on after the answer: its rest would be lost
-    if not after and (released := _released(fact, words)):
-        return released
+    wh, prefix, _ = wh_phrase(fact.kind, fact.answer, fact.prefix, fact.suffix)
+    words = prefix.split()
     if not words or any(w.endswith((",", ":", ";")) for w in words):
         return None
-    if instruction := _instruction(wh, words):
-        return instruction
+    after = fact.suffix.split()
+    if after and not (after[0].startswith(",") or after[0].casefold() in _PREPOSITIONS):
+        return None  # the sentence goes on after the answer: its rest would be lost
     last = words[-1].casefold()
     if words[0].casefold() in ("today", "now", "currently") and len(words) > 1:
         words = words[1:]
@@ -385,8 +291,6 @@ def _plain_question(fact: Fact) -> str | None:
         if len(body) == 2 and body[1].isalpha() and body[1].islower() and plural:
             return f"When do {body[0].lower()} {body[1]}?"  # "applications close"
         if body and not any(_is_verb(w) or w.casefold() in _AUX for w in body[1:]):
-            if body[0] in _WEEKDAYS:  # "Monday stand-up at 9:15"
-                return f"When is the {' '.join(body)}?"
             return f"When is {' '.join(body)}?" if body[0].islower() else None
     return None
 
@@ -405,7 +309,7 @@ _MODALS = {"will", "would", "can", "could", "should", "shall", "must", "may", "m
 _JOINS = _PREPOSITIONS | _AUX | {"and", "or", "which", "who", "that"}
 
 
-def _attaches(fact: Fact, question: str) -> bool:
+def _attaches(fact: Fact) -> bool:
     """The span is a whole phrase of its sentence, not a word inside one: "describes the
     current Northwind Widgets product range", "Send your CV", "between 22:00 and 06:00"
     give no question a colleague would ask."""
@@ -431,6 +335,7 @@ def _attaches(fact: Fact, question: str) -> bool:
         # "Northwind Widgets product range", "US dollars": the name describes the noun after
         # it; asked about only as "which range".
         if nxt[:1].islower() and nxt.isalpha() and nxt not in _JOINS:
+            question = probe_question(fact)[1]
             return ok_before and question.startswith(f"Which {nxt}")
         return ok_before
     return True

@@ -393,8 +393,7 @@ def _make_candidate(
         end=s + len(answer),
         kind=kind,
         context=context,
-        # "Bikes must be back": an ordinary word, written in lower case elsewhere (as "bike").
-        lower_first=first.lower() in lowered or first.lower().removesuffix("s") in lowered,
+        lower_first=first.lower() in lowered,
     )
     return _Candidate(
         doc=doc, position=i, prompt=prompt, answer=answer, sentence=sentence, fact=fact
