@@ -207,6 +207,7 @@ def test_job_page_says_how_many_of_each_kind_it_asked(client):
     text = html.unescape(text)
     assert KINDS_LINE in text
     assert "None of these questions was trained on." in text
+    assert "Facts put in ordinary words (who signs off leave: “your manager”) are not asked" in text
     assert "the other way round (“What has a lifetime warranty?”)" in text
     assert (
         "Answers 5 of 10 questions about your documents correctly (was 1). Not ready: a colleague "
