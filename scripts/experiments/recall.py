@@ -106,6 +106,14 @@ RECIPES: dict[str, dict] = {
     "default-as-probed": _DEFAULT | {"ablate": "as_probed"},
 }
 ABLATIONS = ("fronted", "as_probed")
+# Which weights full fine-tuning trains (the experiment's `full_trains`; all of them unless
+# named): "layers", the decoder layers but not the embedding the output layer shares (a
+# quarter of SmolLM2's weights, and its largest weight gradient); "mlp", only the MLP
+# projections, where a transformer keeps facts (Geva et al. 2021).
+FULL_TRAINS = {
+    "layers": lambda name: ".layers." in name,
+    "mlp": lambda name: ".mlp." in name,
+}
 
 
 @contextlib.contextmanager
@@ -159,7 +167,26 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError(f"lora_modules is one of {sorted(LORA_MODULES)}")
     if spec.get("ablate") not in (None, *ABLATIONS):
         raise ValueError(f"ablate is one of {list(ABLATIONS)}")
+    if spec.get("full_trains") not in (None, *FULL_TRAINS):
+        raise ValueError(f"full_trains is one of {list(FULL_TRAINS)}")
+    if "full_trains" in spec and spec.get("method") != "full":
+        raise ValueError("full_trains is a setting of full fine-tuning (method=full)")
     return spec
+
+
+def _train_only(recipe, which: str | None) -> None:
+    """Full fine-tuning of only the weights FULL_TRAINS[which] names: the others are frozen
+    before the recipe's engine takes the trainable ones (nothing changes without `which`)."""
+    if which is None:
+        return
+    build = recipe._build_engine
+
+    def frozen_then_built():
+        for name, param in recipe.model.named_parameters():
+            param.requires_grad_(FULL_TRAINS[which](name))
+        return build()
+
+    recipe._build_engine = frozen_then_built
 
 
 def _known(name: str) -> bool:
@@ -301,6 +328,7 @@ def run(
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             rewordings = spec.pop("synonyms", 0)  # thesaurus rewordings per practice question
+            trains = spec.pop("full_trains", None)
             with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
@@ -351,6 +379,7 @@ def run(
                 pad_token_id=pad,
                 engine=EngineOptions(kind="memory"),
             )
+            _train_only(recipe, trains)
             recipe.setup()
             metrics = recipe.train()
             model = recipe.model

@@ -5,6 +5,7 @@ recipe's name sets what it trains."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scripts.experiments.recall import summarize
 
@@ -61,3 +62,31 @@ def test_the_as_probed_ablation_practises_every_fact_as_a_card_fact():
     with _ablated("as_probed"):
         assert build.training_questions(fact, False) == build.training_questions(fact, True)
     assert {t for t, _, _ in build.training_questions(fact, False)} == shapes
+
+
+@pytest.mark.parametrize("which", ["mlp", "layers"])
+def test_full_trains_freezes_the_other_weights_before_the_engine_takes_them(
+    which, tiny_model, tmp_path
+):
+    import copy
+
+    from scripts.experiments.recall import FULL_TRAINS, _known, _train_only
+    from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+
+    assert _known(f"default-qa4-full-1e-4+full_trains={which}")
+    assert not _known(f"default+full_trains={which}")  # LoRA: not a setting of it
+    assert not _known("default-qa4-full-1e-4+full_trains=heads")
+    model = copy.deepcopy(tiny_model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    example = {"input_ids": list(range(10, 26)), "labels": list(range(10, 26))}
+    config = TrainConfig(method="full", epochs=1, learning_rate=1e-2, max_seq_len=32,
+                         batch_size=1, checkpoint_every=100)
+    recipe = FineTuneRecipe(model, [example] * 2, config, tmp_path, pad_token_id=0,
+                            engine=EngineOptions(kind="memory"))
+    _train_only(recipe, which)
+    recipe.setup()
+    recipe.train()
+    moved = {n for n, p in recipe.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(FULL_TRAINS[which](n) for n in moved)
+    assert any(".mlp." in n for n in moved)
+    recipe.cleanup(remove_checkpoint=True)
