@@ -9,6 +9,7 @@ Ctrl-C (or SIGTERM) stops all of it. `doctune worker` starts some of the same wo
 
 from __future__ import annotations
 
+import fcntl
 import http.client
 import os
 import signal
@@ -20,6 +21,8 @@ import time
 import urllib.request
 import webbrowser
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO
 
 from app.accounts.setup import setup_link as accounts_setup_link
 from app.children import spawn
@@ -204,9 +207,33 @@ def run_workers(queues: list[str]) -> int:
     return supervise(start)
 
 
+LOCK_FILE = "launcher.lock"
+
+
+def hold_data_dir(data_dir: Path) -> IO[str] | None:
+    """Lock `data_dir` for this launcher (an flock on LOCK_FILE, which the kernel releases
+    when the process ends, however it ends); None when another launcher holds it."""
+    lock = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until the process ends)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")  # for a person looking: which process holds it
+    lock.flush()
+    return lock
+
+
 def run(with_web: bool = True) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     print(f"DocTune data folder: {settings.data_dir}", flush=True)
+    lock = hold_data_dir(settings.data_dir)
+    if lock is None:
+        print(f"DocTune is already running from this data folder: open {_address()}, or stop "
+              "that one (Ctrl-C where it runs) before starting it again.", file=sys.stderr,
+              flush=True)
+        return 1
     upgrade_to_head()
     env = child_env()
     stopping = threading.Event()
@@ -216,8 +243,8 @@ def run(with_web: bool = True) -> int:
             print("Preparing the embedded model (first run only)...", flush=True)
             subprocess.run([sys.executable, "-m", "worker.cli.prepare"], env=env, check=True)
         if not settings.redis_url:
-            procs.append(("redis", start_private_redis(settings.redis_dir,
-                                                       settings.private_redis_port)))
+            procs.append(("redis", start_private_redis(
+                settings.redis_dir, settings.private_redis_port, replace_left_over=True)))
         for queue in (INGEST_QUEUE, TRAIN_QUEUE, CHAT_QUEUE):
             procs.append((f"{queue} worker", spawn(worker_cmd(queue), env=env)))
         procs.append(("folder watcher", spawn([sys.executable, "-m", "app.watcher"],
@@ -236,4 +263,7 @@ def run(with_web: bool = True) -> int:
                 threading.Thread(target=_open_once_answering, daemon=True,
                                  args=(link or _address() + "/", stopping)).start()
 
-    return supervise(start, stopping)
+    try:
+        return supervise(start, stopping)
+    finally:
+        lock.close()

@@ -110,11 +110,16 @@ def redis_config(data_dir: Path, port: int, password: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def start_private_redis(data_dir: Path, port: int, timeout_s: float = 15.0) -> subprocess.Popen:
+def start_private_redis(
+    data_dir: Path, port: int, timeout_s: float = 15.0, replace_left_over: bool = False
+) -> subprocess.Popen:
     """Start redis-server on 127.0.0.1:`port` with its files in `data_dir`, behind the password
-    of `private_redis_password`; wait until it answers. One that an earlier DocTune left
-    running there (killed before it could stop its Redis) is shut down first."""
-    if port_open(port) and not _stop_left_over(data_dir, port, timeout_s):
+    of `private_redis_password`; wait until it answers. With `replace_left_over` (the launcher,
+    which holds the data dir's lock, so no running DocTune owns one), a private Redis that an
+    earlier DocTune left running there is shut down first."""
+    if port_open(port) and not (
+        replace_left_over and _stop_left_over(data_dir, port, timeout_s)
+    ):
         raise RuntimeError(
             f"Port {port} is already in use. Stop what runs there, set DOCTUNE_PRIVATE_REDIS_PORT "
             "to a free port, or point REDIS_URL at a Redis you run yourself."
@@ -136,10 +141,11 @@ def start_private_redis(data_dir: Path, port: int, timeout_s: float = 15.0) -> s
 
 
 def _stop_left_over(data_dir: Path, port: int, timeout_s: float) -> bool:
-    """Shut down the private Redis an earlier DocTune left on `port` (a `kill -9` of
-    `doctune up` leaves it running): it is ours when it answers to this data dir's
-    password, which only this user can read. Its AOF keeps the queued tasks for the new
-    server. False when whatever listens there is not ours, or does not stop."""
+    """Shut down the private Redis an earlier DocTune left on `port` (a `kill -9` of an
+    older `doctune up` left it running): it is ours when it refuses a client without a
+    password and answers to this data dir's, which only this user can read. Its AOF keeps
+    the queued tasks for the new server. False when whatever listens there is not ours, or
+    does not stop."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry

@@ -34,6 +34,22 @@ def test_children_do_not_outlive_a_killed_launcher(tmp_path):
     assert not _running(child)
 
 
+def test_one_launcher_per_data_folder(monkeypatch, tmp_path, capsys):
+    """A second `doctune up` on the same data folder stops before touching anything (it
+    would otherwise take over the first one's Redis), and says where the first one is."""
+    first = launcher.hold_data_dir(tmp_path)
+    assert first is not None
+    assert launcher.hold_data_dir(tmp_path) is None
+    monkeypatch.setattr(settings, "data_dir", tmp_path)
+    monkeypatch.setattr(launcher, "upgrade_to_head", lambda: pytest.fail("went on"))
+    assert launcher.run() == 1
+    assert "DocTune is already running from this data folder" in capsys.readouterr().err
+    first.close()  # as when the first one ends, however it ends
+    again = launcher.hold_data_dir(tmp_path)
+    assert again is not None
+    again.close()
+
+
 def _running(pid: int) -> bool:
     """Alive and not a zombie waiting for its (new) parent to reap it."""
     try:

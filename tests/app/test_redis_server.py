@@ -78,7 +78,9 @@ def test_a_private_redis_left_running_by_a_killed_launcher_is_replaced(private):
     (it answers to this data dir's password), stops it and starts afresh, the queue kept."""
     folder, port, orphan = private
     redis.Redis.from_url(private_redis_url(folder, port)).lpush("ingest", b"queued")
-    proc = start_private_redis(folder, port)
+    with pytest.raises(RuntimeError, match="already in use"):
+        start_private_redis(folder, port)  # only the launcher, holding the lock, replaces it
+    proc = start_private_redis(folder, port, replace_left_over=True)
     try:
         assert orphan.wait(timeout=10) == 0  # shut down, not killed
         client = redis.Redis.from_url(private_redis_url(folder, port))
@@ -94,7 +96,7 @@ def test_a_port_held_by_something_else_is_refused_in_words(tmp_path):
         other.listen()
         port = other.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"Port {port} is already in use"):
-            start_private_redis(tmp_path / "redis", port, timeout_s=2)
+            start_private_redis(tmp_path / "redis", port, timeout_s=2, replace_left_over=True)
 
 
 @pytest.mark.parametrize("password", [None, "someone-elses-password-0123"])
@@ -111,7 +113,7 @@ def test_someone_elses_redis_is_left_running(tmp_path, password):
         while not port_open(port) and time.monotonic() < deadline:
             time.sleep(0.1)
         with pytest.raises(RuntimeError, match=f"Port {port} is already in use"):
-            start_private_redis(tmp_path / "redis", port, timeout_s=2)
+            start_private_redis(tmp_path / "redis", port, timeout_s=2, replace_left_over=True)
         assert theirs.poll() is None and redis.Redis(port=port, password=password).ping()
     finally:
         theirs.terminate()
