@@ -106,6 +106,27 @@ RECIPES: dict[str, dict] = {
     "default-as-probed": _DEFAULT | {"ablate": "as_probed"},
 }
 ABLATIONS = ("fronted", "as_probed")
+# Layers LoRA adapts besides the job's `lora_modules` (the experiment's `lora_extra`): the
+# output layer ("lm_head") or the input embedding ("embed_tokens"), which SmolLM2 ties
+# together and full fine-tuning trains (measured: freezing it cost full fine-tuning 10 of 34
+# colleague answers).
+LORA_EXTRA = ("lm_head", "embed_tokens")  # several joined by "/"
+
+
+@contextlib.contextmanager
+def _lora_extra(extra: str | None):
+    """The recipe's LoRA targets with `extra` added, for one training run."""
+    from worker.training import recipe
+
+    saved = recipe.LORA_MODULES
+    if extra is not None:
+        recipe.LORA_MODULES = {k: (*v, *extra.split("/")) for k, v in saved.items()}
+    try:
+        yield
+    finally:
+        recipe.LORA_MODULES = saved
+
+
 # Which weights full fine-tuning trains (the experiment's `full_trains`; all of them unless
 # named): "layers", the decoder layers but not the embedding the output layer shares (a
 # quarter of SmolLM2's weights, and its largest weight gradient); "mlp", only the MLP
@@ -169,6 +190,9 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError(f"ablate is one of {list(ABLATIONS)}")
     if spec.get("full_trains") not in (None, *FULL_TRAINS):
         raise ValueError(f"full_trains is one of {list(FULL_TRAINS)}")
+    extra = spec.get("lora_extra")
+    if extra is not None and not set(str(extra).split("/")) <= set(LORA_EXTRA):
+        raise ValueError(f"lora_extra is one or more of {list(LORA_EXTRA)}")
     if "full_trains" in spec and spec.get("method") != "full":
         raise ValueError("full_trains is a setting of full fine-tuning (method=full)")
     return spec
@@ -329,6 +353,7 @@ def run(
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             rewordings = spec.pop("synonyms", 0)  # thesaurus rewordings per practice question
             trains = spec.pop("full_trains", None)
+            extra = spec.pop("lora_extra", None)
             with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
@@ -380,7 +405,8 @@ def run(
                 engine=EngineOptions(kind="memory"),
             )
             _train_only(recipe, trains)
-            recipe.setup()
+            with _lora_extra(extra):
+                recipe.setup()
             metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)

@@ -90,3 +90,16 @@ def test_full_trains_freezes_the_other_weights_before_the_engine_takes_them(
     assert moved and all(FULL_TRAINS[which](n) for n in moved)
     assert any(".mlp." in n for n in moved)
     recipe.cleanup(remove_checkpoint=True)
+
+
+def test_lora_extra_adds_the_output_layer_or_the_embedding_for_one_run():
+    from scripts.experiments.recall import _known, _lora_extra
+    from worker.training import recipe
+
+    assert _known("default+lora_extra=lm_head") and _known("default+lora_extra=embed_tokens")
+    assert _known("default+lora_extra=lm_head/embed_tokens")
+    assert not _known("default+lora_extra=norm")
+    saved = recipe.LORA_MODULES
+    with _lora_extra("lm_head"):
+        assert recipe.LORA_MODULES["mlp"] == (*saved["mlp"], "lm_head")
+    assert recipe.LORA_MODULES is saved
