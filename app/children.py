@@ -13,16 +13,21 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import cache
 
 _PR_SET_PDEATHSIG = 1
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)  # loaded in the parent, not the forked child
 
 
 def _on_parent_death() -> Callable[[], None] | None:
     """What a child runs before exec (None where the kernel has no such request)."""
     if not sys.platform.startswith("linux"):
         return None
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded here, not in the forked child
-    parent = os.getpid()
+    libc, parent = _libc(), os.getpid()
 
     def request() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

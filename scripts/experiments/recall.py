@@ -198,10 +198,13 @@ def recipe_spec(name: str, docs: list) -> dict:
     return spec
 
 
-def _train_only(recipe, which: str | None) -> None:
-    """Full fine-tuning of only the weights FULL_TRAINS[which] names: the others are frozen
-    before the recipe's engine takes the trainable ones (nothing changes without `which`)."""
+@contextlib.contextmanager
+def _train_only(recipe, which: str | None):
+    """Full fine-tuning of only the weights FULL_TRAINS[which] names, for the recipe's setup:
+    the others are frozen before its engine takes the trainable ones (nothing changes
+    without `which`)."""
     if which is None:
+        yield
         return
     build = recipe._build_engine
 
@@ -211,6 +214,10 @@ def _train_only(recipe, which: str | None) -> None:
         return build()
 
     recipe._build_engine = frozen_then_built
+    try:
+        yield
+    finally:
+        del recipe._build_engine  # the class's own again
 
 
 def _known(name: str) -> bool:
@@ -404,8 +411,7 @@ def run(
                 pad_token_id=pad,
                 engine=EngineOptions(kind="memory"),
             )
-            _train_only(recipe, trains)
-            with _lora_extra(extra):
+            with _train_only(recipe, trains), _lora_extra(extra):
                 recipe.setup()
             metrics = recipe.train()
             model = recipe.model

@@ -83,8 +83,8 @@ def test_full_trains_freezes_the_other_weights_before_the_engine_takes_them(
                          batch_size=1, checkpoint_every=100)
     recipe = FineTuneRecipe(model, [example] * 2, config, tmp_path, pad_token_id=0,
                             engine=EngineOptions(kind="memory"))
-    _train_only(recipe, which)
-    recipe.setup()
+    with _train_only(recipe, which):
+        recipe.setup()
     recipe.train()
     moved = {n for n, p in recipe.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved and all(FULL_TRAINS[which](n) for n in moved)
