@@ -103,3 +103,36 @@ def test_lora_extra_adds_the_output_layer_or_the_embedding_for_one_run():
     with _lora_extra("lm_head"):
         assert recipe.LORA_MODULES["mlp"] == (*saved["mlp"], "lm_head")
     assert recipe.LORA_MODULES is saved
+
+
+def test_embedding_lr_trains_the_shared_embedding_beside_the_adapter_at_its_own_step(
+    tiny_model, tmp_path
+):
+    import copy
+
+    from scripts.experiments.recall import _embedding_trained, _known
+    from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+
+    assert _known("default+embedding_lr=1e-4")
+    assert not _known("default-qa4-full-1e-4+embedding_lr=1e-4")  # full trains it anyway
+    model = copy.deepcopy(tiny_model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    example = {"input_ids": list(range(10, 26)), "labels": list(range(10, 26))}
+    config = TrainConfig(epochs=1, learning_rate=1e-2, max_seq_len=32, batch_size=1,
+                         checkpoint_every=100)
+    recipe = FineTuneRecipe(model, [example] * 3, config, tmp_path, pad_token_id=0,
+                            engine=EngineOptions(kind="memory"))
+    with _embedding_trained(recipe, 1e-3):
+        recipe.setup()
+    groups = recipe.engine.optimizer.param_groups
+    assert [g["initial_lr"] for g in groups] == [1e-2, 1e-3]
+    recipe.train()
+    # the peft-wrapped names carry a prefix and the adapter's own weights are new
+    moved = {n.split("base_model.model.")[-1].replace(".base_layer", "")
+             for n, p in recipe.model.named_parameters()
+             if "lora_" not in n and not torch.equal(
+                 p, before[n.split("base_model.model.")[-1].replace(".base_layer", "")])}
+    assert moved == {"model.embed_tokens.weight"}
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in recipe.model.named_parameters())
+    assert "_build_engine" not in vars(recipe)  # the class's own again
+    recipe.cleanup(remove_checkpoint=True)
