@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import Depends
+from fastapi import Depends, Path
 from sqlalchemy import MetaData, create_engine, event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
@@ -94,3 +94,9 @@ def get_session() -> Iterator[Session]:
 # scope="function": commit (or roll back) before the response is sent, so a redirect never
 # reaches a row that is not committed yet and a failed commit is reported, not swallowed.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+# A row id from an address. Past what an id column holds the database driver raises instead of
+# finding nothing (SQLite: OverflowError; PostgreSQL's integer: out of range), so such an id is
+# refused before it gets there: a path that names no row is a 404 (app.main).
+MAX_ROW_ID = 2**31 - 1
+RowId = Annotated[int, Path(ge=1, le=MAX_ROW_ID)]

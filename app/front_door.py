@@ -14,8 +14,9 @@ the two agree, so comparing Origin with the request's own Host proves nothing. S
    the JSON API send `Origin: http://127.0.0.1:8000` (or the address they use), or an API
    token (`Authorization: Bearer`, no cookie), which needs no Origin: OpenAI clients send none.
 3. **Request size**: a declared Content-Length over the cap is refused before the body is read,
-   and a body without one is counted as it arrives (413). Only the upload route gets the large
-   cap (DOCTUNE_MAX_REQUEST_MB); every other request is a small form or nothing.
+   and a body without one is counted as it arrives (413). Only a multipart POST to the upload
+   route gets the large cap (DOCTUNE_MAX_REQUEST_MB); every other request is a small form or
+   nothing.
 4. **Response headers** on everything, errors included: a CSP with no inline script or style
    (`templates/base.html` tells htmx not to inject its indicator style), no framing, nosniff,
    and a same-origin referrer policy (`no-referrer` would make Chromium send `Origin: null` on
@@ -230,7 +231,14 @@ class FrontDoor:
         return None
 
     def _is_upload(self, scope: Scope) -> bool:
-        return scope["method"] == "POST" and LARGE_BODY_PATHS.fullmatch(scope["path"]) is not None
+        """A file upload: a multipart POST to the upload route. Any other body there is a
+        small form (the accounts door reads a plain form whole for its CSRF field)."""
+        return (
+            scope["method"] == "POST"
+            and LARGE_BODY_PATHS.fullmatch(scope["path"]) is not None
+            and Headers(scope=scope).get("content-type", "").lower().startswith(
+                "multipart/form-data")
+        )
 
     def _cap(self, scope: Scope) -> int:
         return self.large_body_bytes if self._is_upload(scope) else SMALL_BODY_BYTES

@@ -14,7 +14,7 @@ from app.accounts.door import COOKIE, visitor_of
 from app.accounts.models import Role, User
 from app.accounts.service import InvalidInput, NotFound
 from app.audit import Action, record_request
-from app.db import SessionDep
+from app.db import RowId, SessionDep
 from app.settings import settings
 
 from .templating import render
@@ -181,7 +181,7 @@ def create_token(
 
 
 @router.post("/account/tokens/{token_id}/revoke", name="revoke_token")
-def revoke_token(request: Request, session: SessionDep, token_id: int) -> Response:
+def revoke_token(request: Request, session: SessionDep, token_id: RowId) -> Response:
     _found(accounts.revoke_api_token, session, _me(request, session), token_id)
     record_request(request, session, Action.token_revoked, f"token {token_id}")
     return RedirectResponse("/account", status_code=303)
@@ -234,7 +234,7 @@ def invite_user(
 def change_user(
     request: Request,
     session: SessionDep,
-    user_id: int,
+    user_id: RowId,
     role: Annotated[str | None, Form()] = None,
     action: Annotated[str | None, Form()] = None,
 ) -> Response:

@@ -16,7 +16,7 @@ from app import audit
 from app.accounts import service as accounts
 from app.audit import Action, Filter, record_request
 from app.contract.workers import HEARTBEAT_EVERY_S, ONLINE_WITHIN_S
-from app.db import SessionDep
+from app.db import MAX_ROW_ID, RowId, SessionDep
 from app.services import allowed_folders as folders
 from app.services.errors import InvalidInput
 from app.services.workers import worker_rows
@@ -37,10 +37,17 @@ def _filter(user: str, action: str, before: str) -> Filter:
     """The page's query, with anything that is not a known account, action or number left
     out (so a hand-edited address shows everything rather than an error)."""
     return Filter(
-        user_id=int(user) if user.isdigit() else None,
+        user_id=_row_id(user),
         action=action if action in Action.__members__ else None,
-        before_id=int(before) if before.isdigit() else None,
+        before_id=_row_id(before),
     )
+
+
+def _row_id(text: str) -> int | None:
+    """A row id written in ASCII digits, within what an id column holds; else None."""
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_ROW_ID)):
+        return None
+    return int(text) if int(text) <= MAX_ROW_ID else None
 
 
 @router.get("/admin/audit", name="audit_log")
@@ -109,7 +116,7 @@ def allow_folder(request: Request, session: SessionDep,
 
 
 @router.post("/admin/folders/{folder_id}/remove", name="remove_folder")
-def remove_folder(request: Request, session: SessionDep, folder_id: int) -> Response:
+def remove_folder(request: Request, session: SessionDep, folder_id: RowId) -> Response:
     row = folders.remove_folder(session, folder_id)
     record_request(request, session, Action.folder_removed, row.path)
     return RedirectResponse("/admin/folders", status_code=303)

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from app.db import SessionDep
+from app.db import RowId, SessionDep
 from app.models import Job, Project
 from app.services import documents as documents_service
 from app.services import jobs as jobs_service
@@ -70,7 +70,7 @@ def api_projects(session: SessionDep) -> list[dict[str, Any]]:
 
 
 @router.get("/api/projects/{project_id}")
-def api_project(project_id: int, session: SessionDep) -> dict[str, Any]:
+def api_project(project_id: RowId, session: SessionDep) -> dict[str, Any]:
     project = projects_service.get_project(session, project_id)
     out = _project_summary(project)
     out["training_blocked_by"] = jobs_service.readiness(projects_service.corpus_of(project))
@@ -101,7 +101,7 @@ def api_project(project_id: int, session: SessionDep) -> dict[str, Any]:
 
 
 @router.get("/api/jobs/{job_id}")
-def api_job(job_id: int, session: SessionDep) -> dict[str, Any]:
+def api_job(job_id: RowId, session: SessionDep) -> dict[str, Any]:
     return _job_json(jobs_service.get_job(session, job_id))
 
 

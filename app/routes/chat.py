@@ -19,7 +19,7 @@ from app.chat.markdown import render as markdown
 from app.chat.models import ChatMessage
 from app.chat.stream import follow
 from app.contract.chat import BASE, STREAM_TTL_S, stop_key
-from app.db import SessionDep, session_scope
+from app.db import MAX_ROW_ID, RowId, SessionDep, session_scope
 from app.services import projects as projects_service
 from app.services.errors import InvalidInput
 from app.services.uploads import display_name
@@ -66,7 +66,7 @@ def _page(request: Request, session, project, conversation=None, *, model_ref: s
 
 
 @router.get("/projects/{project_id}/chat", name="chat")
-def chat_page(request: Request, project_id: int, session: SessionDep,
+def chat_page(request: Request, project_id: RowId, session: SessionDep,
               model: str = "") -> Response:
     """The project's chat: the latest version (or the one asked for) and your conversations."""
     project = projects_service.get_project(session, project_id)
@@ -76,7 +76,7 @@ def chat_page(request: Request, project_id: int, session: SessionDep,
 
 
 @router.post("/projects/{project_id}/chat", name="new_conversation")
-def new_conversation(request: Request, project_id: int, session: SessionDep,
+def new_conversation(request: Request, project_id: RowId, session: SessionDep,
                      model: Annotated[str, Form()] = BASE,
                      question: Annotated[str, Form()] = "",
                      temperature: Annotated[str, Form()] = "0",
@@ -96,14 +96,14 @@ def new_conversation(request: Request, project_id: int, session: SessionDep,
 
 
 @router.get("/chat/{conversation_id}", name="conversation")
-def conversation_page(request: Request, conversation_id: int, session: SessionDep) -> Response:
+def conversation_page(request: Request, conversation_id: RowId, session: SessionDep) -> Response:
     conversation = chat.get_conversation(session, conversation_id, _user_id(request))
     project = projects_service.get_project(session, conversation.project_id)
     return _page(request, session, project, conversation)
 
 
 @router.post("/chat/{conversation_id}/messages", name="ask")
-def ask(request: Request, conversation_id: int, session: SessionDep,
+def ask(request: Request, conversation_id: RowId, session: SessionDep,
         question: Annotated[str, Form()] = "",
         temperature: Annotated[str, Form()] = "0") -> Response:
     conversation = chat.get_conversation(session, conversation_id, _user_id(request))
@@ -124,7 +124,7 @@ def ask(request: Request, conversation_id: int, session: SessionDep,
 
 
 @router.get("/chat/replies/{message_id}", name="reply")
-def reply_fragment(request: Request, message_id: int, session: SessionDep) -> Response:
+def reply_fragment(request: Request, message_id: RowId, session: SessionDep) -> Response:
     """One reply as shown once finished (Markdown rendered), for the page to swap in."""
     message = chat.get_reply(session, message_id, _user_id(request))
     return render(request, "chat.html", {"messages": [_reply_context(message)]},
@@ -132,7 +132,7 @@ def reply_fragment(request: Request, message_id: int, session: SessionDep) -> Re
 
 
 @router.post("/chat/replies/{message_id}/stop", name="stop_reply")
-async def stop_reply(request: Request, message_id: int, session: SessionDep) -> Response:
+async def stop_reply(request: Request, message_id: RowId, session: SessionDep) -> Response:
     """Stop a reply: the worker ends it before its next token (what came so far is kept)."""
     await run_in_threadpool(chat.get_reply, session, message_id, _user_id(request))
     client = aioredis.Redis.from_url(settings.broker_url)
@@ -144,14 +144,14 @@ async def stop_reply(request: Request, message_id: int, session: SessionDep) -> 
 
 
 @router.post("/chat/{conversation_id}/delete", name="delete_conversation")
-def delete_conversation(request: Request, conversation_id: int, session: SessionDep) -> Response:
+def delete_conversation(request: Request, conversation_id: RowId, session: SessionDep) -> Response:
     conversation = chat.get_conversation(session, conversation_id, _user_id(request))
     project_id = conversation.project_id
     chat.delete_conversation(session, conversation)
     return RedirectResponse(f"/projects/{project_id}/chat", status_code=303)
 
 
-def _owned_reply(request: Request, message_id: int) -> int:
+def _owned_reply(request: Request, message_id: RowId) -> int:
     """The reply's id once it is known to be the visitor's (404 before any streaming)."""
     with session_scope() as session:
         chat.get_reply(session, message_id, _user_id(request))
@@ -177,7 +177,7 @@ async def reply_events(
 
 
 @router.post("/projects/{project_id}/chat/compare", name="new_compare")
-def new_compare(request: Request, project_id: int, session: SessionDep,
+def new_compare(request: Request, project_id: RowId, session: SessionDep,
                 a: Annotated[str, Form()] = BASE, b: Annotated[str, Form()] = BASE,
                 a_documents: Annotated[str, Form()] = "",
                 b_documents: Annotated[str, Form()] = "",
@@ -231,7 +231,7 @@ def ask_both(request: Request, group: str, session: SessionDep,
 
 
 @router.post("/chat/{conversation_id}/save", name="save_context")
-def save_context(request: Request, conversation_id: int, session: SessionDep,
+def save_context(request: Request, conversation_id: RowId, session: SessionDep,
                  name: Annotated[str, Form()] = "") -> Response:
     conversation = chat.get_conversation(session, conversation_id, _user_id(request))
     try:
@@ -244,16 +244,16 @@ def save_context(request: Request, conversation_id: int, session: SessionDep,
 
 
 @router.post("/chat/{conversation_id}/start", name="start_from_context")
-def start_from_context(request: Request, conversation_id: int, session: SessionDep) -> Response:
+def start_from_context(request: Request, conversation_id: RowId, session: SessionDep) -> Response:
     saved = chat.get_conversation(session, conversation_id, _user_id(request))
     copy = chat.start_from(session, saved)
     return RedirectResponse(f"/chat/{copy.id}", status_code=303)
 
 
 @router.post("/projects/{project_id}/chat/read", name="read_document")
-def read_document(request: Request, project_id: int, session: SessionDep,
+def read_document(request: Request, project_id: RowId, session: SessionDep,
                   model: Annotated[str, Form()] = BASE,
-                  document_id: Annotated[int, Form()] = 0) -> Response:
+                  document_id: Annotated[int, Form(le=MAX_ROW_ID)] = 0) -> Response:
     """A conversation that starts by reading one whole document (to save as a context)."""
     project = projects_service.get_project(session, project_id)
     conversation = chat.read_document(session, project, _user_id(request), model, document_id)

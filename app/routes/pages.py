@@ -14,7 +14,7 @@ from starlette.requests import ClientDisconnect
 from app.audit import Action, listed, record_request
 from app.contract.results import export_errors
 from app.contract.training import FIELDS
-from app.db import SessionDep
+from app.db import RowId, SessionDep
 from app.filetypes import ACCEPT_ATTRIBUTE, SUPPORTED_LABEL
 from app.models import Job, JobState, Project
 from app.services import compare as compare_service
@@ -118,7 +118,7 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
 
 
 @router.get("/projects/{project_id}", name="project")
-def project_page(request: Request, project_id: int, session: SessionDep) -> Response:
+def project_page(request: Request, project_id: RowId, session: SessionDep) -> Response:
     project = projects_service.get_project(session, project_id)
     target = hx_target(request)
     since = request.query_params.get("since")
@@ -142,7 +142,7 @@ def project_page(request: Request, project_id: int, session: SessionDep) -> Resp
 
 
 @router.post("/projects/{project_id}/documents", name="upload")
-async def upload(request: Request, project_id: int, session: SessionDep) -> Response:
+async def upload(request: Request, project_id: RowId, session: SessionDep) -> Response:
     """Files from the drop zone or the file picker: each one accepted, a duplicate, or refused."""
     project = await run_in_threadpool(projects_service.get_project, session, project_id)
     try:
@@ -187,7 +187,7 @@ async def upload(request: Request, project_id: int, session: SessionDep) -> Resp
 @router.post("/projects/{project_id}/inbox", name="inbox_settings")
 def inbox_settings(
     request: Request,
-    project_id: int,
+    project_id: RowId,
     session: SessionDep,
     inbox_path: Annotated[str, Form()] = "",
     auto_train: Annotated[str, Form()] = "off",
@@ -218,7 +218,7 @@ def inbox_settings(
 @router.post("/projects/{project_id}/jobs", name="start_training")
 def start_training(
     request: Request,
-    project_id: int,
+    project_id: RowId,
     session: SessionDep,
     method: Annotated[str, Form()] = "lora",
     epochs: Annotated[str, Form()] = "",
@@ -250,7 +250,7 @@ def start_training(
 
 @router.get("/projects/{project_id}/compare", name="compare")
 def compare_versions(
-    request: Request, project_id: int, session: SessionDep, a: str = "", b: str = ""
+    request: Request, project_id: RowId, session: SessionDep, a: str = "", b: str = ""
 ) -> Response:
     """Two finished versions of the project's model, side by side on the same probes."""
     project = projects_service.get_project(session, project_id)
@@ -292,14 +292,14 @@ def _job_context(job: Job) -> dict[str, Any]:
 
 
 @router.get("/jobs/{job_id}", name="job")
-def job_page(request: Request, job_id: int, session: SessionDep) -> Response:
+def job_page(request: Request, job_id: RowId, session: SessionDep) -> Response:
     job = jobs_service.get_job(session, job_id)
     blocks = ["live"] if hx_target(request) == "job-live" else None
     return render(request, "job.html", _job_context(job), blocks=blocks)
 
 
 @router.post("/jobs/{job_id}/cancel", name="cancel_job")
-def cancel_job(request: Request, job_id: int, session: SessionDep) -> Response:
+def cancel_job(request: Request, job_id: RowId, session: SessionDep) -> Response:
     job = jobs_service.get_job(session, job_id)
     jobs_service.request_cancel(session, job)
     record_request(request, session, Action.job_cancelled, f"job {job.id}",
@@ -310,7 +310,7 @@ def cancel_job(request: Request, job_id: int, session: SessionDep) -> Response:
 
 
 @router.post("/jobs/{job_id}/current", name="make_current")
-def make_current(request: Request, job_id: int, session: SessionDep) -> Response:
+def make_current(request: Request, job_id: RowId, session: SessionDep) -> Response:
     """Use this tuned version: the next training (manual or automatic) continues from it."""
     job = jobs_service.get_job(session, job_id)
     jobs_service.set_current_version(session, job)
@@ -320,7 +320,7 @@ def make_current(request: Request, job_id: int, session: SessionDep) -> Response
 
 
 @router.get("/jobs/{job_id}/download/{kind}", name="download")
-def download(request: Request, job_id: int, kind: str, session: SessionDep) -> FileResponse:
+def download(request: Request, job_id: RowId, kind: str, session: SessionDep) -> FileResponse:
     """The zip streamed from disk in chunks (FileResponse), with a readable file name."""
     job = jobs_service.get_job(session, job_id)
     path = jobs_service.artifact_file(job, kind)

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from app.contract.scores import Probe, Question, RecallKind, Side, headline_kind, parse_scores
+from app.db import MAX_ROW_ID
 from app.models import Job, JobState, Project
 from app.services.errors import InvalidInput, NotFound
 
@@ -253,6 +254,8 @@ def compare_in_project(session: Session, project: Project, a_id: Any, b_id: Any)
         ids = int(str(a_id)), int(str(b_id))
     except ValueError:
         raise InvalidInput("Choose two finished training jobs to compare.") from None
+    if not all(1 <= job_id <= MAX_ROW_ID for job_id in ids):  # no such row can exist
+        raise InvalidInput("Choose two finished training jobs to compare.")
     if ids[0] == ids[1]:
         raise InvalidInput("Choose two different training jobs to compare.")
     jobs = []

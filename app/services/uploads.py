@@ -118,6 +118,7 @@ class _Receiver:
         self._unchecked = 0  # bytes written since the free space was last checked
         self.files: list[ReceivedFile] = []
         self._n_file_parts = 0
+        self._unlisted: ReceivedFile | None = None  # the one row for files past twice the limit
         self._header_name = b""
         self._header_value = b""
         self._disposition: bytes | None = None
@@ -157,15 +158,12 @@ class _Receiver:
         original = _decode(options[b"filename"], self.charset)
         if not original:
             return  # the browser's empty file input: no file chosen
-        received = ReceivedFile(original_name=original)
-        self.files.append(received)
         self._n_file_parts += 1
         if self._n_file_parts > self.max_files:
-            received.refused = (
-                f"Too many files at once: at most {self.max_files} per upload. "
-                "Please add this one in another upload."
-            )
+            self._refuse_one_too_many(original)
             return
+        received = ReceivedFile(original_name=original)
+        self.files.append(received)
         received.kind = kind_for_filename(received.name)
         if received.kind is None:
             received.refused = (
@@ -183,6 +181,24 @@ class _Receiver:
         self._hash = hashlib.sha256()
         self._current = received
         self._mode = "write"
+
+    def _refuse_one_too_many(self, original: str) -> None:
+        """A file past `max_files`: refused by name for as many again, then counted in one
+        line (a body of millions of tiny parts must not become millions of rows)."""
+        over = self._n_file_parts - self.max_files
+        if over <= self.max_files:
+            self.files.append(ReceivedFile(original_name=original, refused=(
+                f"Too many files at once: at most {self.max_files} per upload. "
+                "Please add this one in another upload."
+            )))
+            return
+        if self._unlisted is None:
+            self._unlisted = ReceivedFile(original_name="", refused=(
+                f"Too many files at once: at most {self.max_files} per upload. "
+                "Please add these in other uploads."
+            ))
+            self.files.append(self._unlisted)
+        self._unlisted.original_name = f"{over - self.max_files:,} more files"
 
     # Part body
     def on_part_data(self, data: bytes, start: int, end: int) -> None:
@@ -357,6 +373,7 @@ def receive_local_file(
     max_file_bytes: int,
     expect: tuple[int, int] | None = None,
     name: str | None = None,
+    within: Path | None = None,
 ) -> ReceivedFile:
     """Copy a file from this machine's disk (CLI, watched folder) the way an upload is received:
     type checked first, copied in chunks while counted and hashed, refused past the limit.
@@ -365,7 +382,9 @@ def receive_local_file(
     (`O_NONBLOCK`: a pipe would block a plain open until someone writes to it), then must
     be a regular file and, when `expect` gives (device, inode), the very file the caller
     looked at: a name swapped for another file in between is not read. `name` is the name
-    the user knows it by (the link's, when `src` is where a link led)."""
+    the user knows it by (the link's, when `src` is where a link led). With `within`, the
+    file opened must lie under that folder: O_NOFOLLOW guards only the last name of a path,
+    so a folder above the file swapped for a link would otherwise lead outside it."""
     shown = name or src.name
     received = ReceivedFile(original_name=shown, kind=kind_for_filename(shown))
     if received.kind is None:
@@ -384,6 +403,12 @@ def receive_local_file(
         return received
     with os.fdopen(fd, "rb") as inp:
         st = os.fstat(inp.fileno())
+        if within is not None and not _opened_within(inp.fileno(), src, within):
+            received.refused = (
+                "It is not inside the watched folder: a folder on its way there was replaced "
+                "by a link. DocTune does not read it."
+            )
+            return received
         if not stat.S_ISREG(st.st_mode):
             received.refused = (
                 "It is not a regular file (a pipe, device or socket), so DocTune does not read it."
@@ -397,6 +422,17 @@ def receive_local_file(
             received.retryable = True
             return received
         return _copy_local(inp, received, dest_dir, max_file_bytes)
+
+
+def _opened_within(fd: int, src: Path, folder: Path) -> bool:
+    """Whether the open file `fd` lies under `folder`, by where the kernel says it was
+    opened (/proc/self/fd on Linux; elsewhere the path's real path, looked up once more)."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        opened = os.path.realpath(src)
+    root = os.path.realpath(folder).rstrip(os.sep) + os.sep
+    return opened.startswith(root)
 
 
 def _copy_local(

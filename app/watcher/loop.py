@@ -189,11 +189,11 @@ class Watcher:
         for rel, reason in found.skipped.items():
             if rel not in inbox.logged_skips:
                 inbox.logged_skips.add(rel)
-                log.info("inbox %s: ignoring %s: %s", inbox.root, rel, reason)
+                log.info("inbox %s: ignoring %r: %s", inbox.root, rel, reason)
         for problem in found.problems:
             if problem not in inbox.logged_skips:
                 inbox.logged_skips.add(problem)
-                log.warning("inbox %s: cannot read sub-folder %s", inbox.root, problem)
+                log.warning("inbox %s: cannot read sub-folder %r", inbox.root, problem)
         for rel, seen in found.files.items():
             known = inbox.known.get(rel)
             if known is not None and known.matches(seen):
@@ -289,7 +289,7 @@ class Watcher:
         for res in results:
             if res.effect != "unchanged":
                 log.info(
-                    "inbox %s: %s %s%s",
+                    "inbox %s: %s %r%s",
                     inbox.root,
                     res.effect,
                     res.rel,
@@ -313,7 +313,7 @@ class Watcher:
         for rel in gone:
             inbox.known.pop(rel, None)
             inbox.missing_since.pop(rel, None)
-            log.info("inbox %s: retired %s (file deleted)", inbox.root, rel)
+            log.info("inbox %s: retired %r (file deleted)", inbox.root, rel)
 
     def _load_known(self, inbox: Inbox) -> None:
         with session_scope() as session:

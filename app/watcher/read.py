@@ -54,6 +54,7 @@ def read_candidate(inbox: Inbox, rel: str, *, retries: int, stable_s: float) -> 
             max_file_bytes=settings.max_upload_bytes,
             expect=seen.ident,
             name=path.name,
+            within=inbox.root,
         )
     try:
         after = stat_seen(os.stat(source, follow_symlinks=False), seen.target)
@@ -85,10 +86,10 @@ def _failed_read(
     cand.attempts += 1
     if cand.attempts < retries:
         cand.not_before = time.monotonic() + stable_s * 2 ** (cand.attempts - 1)
-        log.info("inbox %s: %s not readable yet (%s); will try again", inbox.root, rel, reason)
+        log.info("inbox %s: %r not readable yet (%s); will try again", inbox.root, rel, reason)
         return None
     log.warning(
-        "inbox %s: giving up on %s after %d tries: %s", inbox.root, rel, cand.attempts, reason
+        "inbox %s: giving up on %r after %d tries: %s", inbox.root, rel, cand.attempts, reason
     )
     size, mtime_ns = cand.sig[0], cand.sig[1]
     received = ReceivedFile(

@@ -30,6 +30,32 @@ def test_unknown_page_is_a_friendly_404(client):
     assert "There is no page at this address." in r.text and "<html" in r.text
 
 
+HUGE = "9" * 20  # past any id column (SQLite's and PostgreSQL's drivers raise, not miss)
+
+
+def test_an_id_past_what_the_database_holds_is_not_found_not_a_crash(client, env):
+    with session_scope() as session:
+        project = Project(name="Manuals")
+        session.add(project)
+        session.flush()
+        project_id = project.id
+    for path in (f"/projects/{HUGE}", f"/jobs/{HUGE}", f"/chat/{HUGE}", f"/api/jobs/{HUGE}",
+                 f"/api/projects/{HUGE}", f"/jobs/{HUGE}/download/adapter",
+                 f"/chat/replies/{HUGE}", f"/chat/replies/{HUGE}/events", "/projects/0"):
+        r = client.get(path)
+        assert r.status_code == 404, (path, r.status_code)
+    for path in (f"/jobs/{HUGE}/cancel", f"/account/tokens/{HUGE}/revoke",
+                 f"/chat/{HUGE}/delete", f"/admin/users/{HUGE}"):
+        r = client.post(path, data={"role": "member"})
+        assert r.status_code == 404, (path, r.status_code)
+    r = client.get(f"/projects/{project_id}/compare", params={"a": HUGE, "b": "1"})
+    assert r.status_code == 422 and "Choose two finished training jobs" in r.text
+    r = client.post(f"/projects/{project_id}/chat/read", data={"document_id": HUGE})
+    assert r.status_code == 422
+    r = client.get("/admin/audit", params={"user": HUGE, "before": HUGE})
+    assert r.status_code == 200  # an id that names no row filters nothing, as a word would
+
+
 def test_a_failed_commit_is_reported_to_the_client(env):
     """The session commits before the response is sent: a redirect never points at a row
     that is not there, and a commit that fails is an error page, not a silent success."""

@@ -230,6 +230,30 @@ def test_a_form_post_over_one_megabyte_is_refused_with_413(client, env):
     assert _projects() == []
 
 
+def test_only_a_multipart_upload_gets_the_large_cap(client, env):
+    """A plain form is read whole (the accounts door looks in it for the CSRF field), so a
+    form-encoded body to the upload address gets the small cap, not the upload's 2 GB."""
+    with session_scope() as session:
+        project_id = make_project(session, "Manuals").id
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    declared = client.post(f"/projects/{project_id}/documents", headers=form,
+                           content=b"a=" + b"x" * (2 * 1024 * 1024))
+    assert declared.status_code == 413
+    assert "at most 1.0 MB is accepted here" in declared.text
+
+    def chunks():
+        for _ in range(3):
+            yield b"b=" + b"y" * (512 * 1024) + b"&"
+
+    # no CSRF header: the door reads the form for its field, and stops at the small cap
+    cookie_only = {"Cookie": signed_in_headers(role="viewer")["Cookie"]}
+    with TestClient(create_app(), base_url=local_url()) as bare:
+        streamed = bare.post(f"/projects/{project_id}/documents", content=chunks(),
+                             headers=form | cookie_only | {"Origin": local_url()})
+    assert streamed.status_code == 413 and "too large" in streamed.text
+    assert env.stored_files() == []
+
+
 def test_an_upload_over_the_request_cap_is_refused_and_stores_nothing(env):
     with session_scope() as session:
         project_id = make_project(session, "Manuals").id

@@ -329,6 +329,18 @@ def test_too_many_files_in_one_upload(client, env, project_id):
     assert len(env.stored_files()) == 2
 
 
+def test_files_far_past_the_limit_are_counted_in_one_line_not_listed(client, env, project_id):
+    settings.max_files_per_upload = 2
+    names = [f"{i}.txt" for i in range(1, 8)]
+    r = _upload(client, project_id, [(name, name.encode()) for name in names])
+    assert _outcomes(r.text) == [
+        ("accepted", "1.txt"), ("accepted", "2.txt"), ("refused", "3.txt"), ("refused", "4.txt"),
+        ("refused", "3 more files"),
+    ]
+    assert "Please add these in other uploads." in r.text
+    assert len(env.stored_files()) == 2
+
+
 def test_not_a_form_upload(client, project_id):
     r = client.post(
         f"/projects/{project_id}/documents",

@@ -272,8 +272,8 @@ def test_links_to_files_outside_the_inbox_are_ignored_with_a_reason(watcher, tmp
         "real.txt": DocStatus.duplicate,
     }
     log = watcher.log_text()
-    assert "soft.txt: a link to something outside the inbox" in log
-    assert "hard.txt: a hard link to a file outside the inbox" in log
+    assert "'soft.txt': a link to something outside the inbox" in log
+    assert "'hard.txt': a hard link to a file outside the inbox" in log
 
 
 def test_an_unreadable_file_is_retried_then_failed_and_taken_once_readable(watcher):
@@ -468,10 +468,10 @@ def test_pipes_devices_and_links_to_them_never_block_the_watcher(watcher, tmp_pa
     time.sleep(SETTLE_S)
     assert [d.source_path for d in docs(pipes_id)] == ["real.txt"] == [mine.source_path]
     log = watcher.log_text()
-    assert "pipe.txt: not a regular file (a pipe, device or socket): never opened" in log
-    assert "deeper/notes.md: not a regular file" in log
-    assert "via-link.txt: a link to something not a regular file" in log
-    assert "outside-link.txt: a link to something outside the inbox" in log
+    assert "'pipe.txt': not a regular file (a pipe, device or socket): never opened" in log
+    assert "'deeper/notes.md': not a regular file" in log
+    assert "'via-link.txt': a link to something not a regular file" in log
+    assert "'outside-link.txt': a link to something outside the inbox" in log
 
 
 def test_a_folder_outside_the_allowed_ones_is_refused_in_words(watcher, tmp_path):

@@ -24,7 +24,7 @@ SECRET = "Private: the salaries of everyone."
 
 
 @pytest.fixture
-def folders(app_env, tmp_path):
+def folders(env, tmp_path):
     """An inbox folder, a secret file outside it, and the data dir's documents folder."""
     from app.settings import settings
 
@@ -99,6 +99,23 @@ def test_a_link_re_pointed_after_the_scan_is_not_followed(folders):
     assert SECRET not in stored_texts(documents)
     item = watcher._read(state, "real.txt")  # the file itself is read as usual
     assert item is not None and item.received.path.read_text() == "The office opens at 8."
+
+
+def test_a_folder_swapped_for_a_link_after_the_scan_is_not_read_through(folders, tmp_path):
+    """O_NOFOLLOW guards only a path's last name: the folder above the file, swapped for a
+    link to a folder elsewhere, must not lead the read outside the inbox. (Here the scanned
+    folder itself is moved out, so the file keeps the identity the scan saw, as a swap timed
+    between the scan's listing and its look inside would give.)"""
+    inbox, _, documents = folders
+    (inbox / "sub").mkdir()
+    (inbox / "sub" / "salaries.txt").write_text(SECRET)
+    watcher, state = scanned(inbox)
+    os.rename(inbox / "sub", tmp_path / "private")
+    (inbox / "sub").symlink_to(tmp_path / "private", target_is_directory=True)
+    item = watcher._read(state, "sub/salaries.txt")
+    assert SECRET not in stored_texts(documents)
+    assert item is not None and item.received.path is None
+    assert "not inside the watched folder" in item.received.refused
 
 
 def test_a_file_replaced_by_a_fifo_after_the_scan_does_not_block(folders):
