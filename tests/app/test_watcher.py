@@ -410,6 +410,7 @@ def test_auto_train_waits_for_quiet_then_queues_exactly_one_job(watcher, app_env
     import worker.ingest  # noqa: F401  (imported now: the first import is slow)
 
     project_id, folder = new_project("Auto after changes")
+    app_env.redis.delete("ingest")  # earlier tests' documents: not this test's to extract
     with session_scope() as session:
         update_inbox_settings(
             session,
