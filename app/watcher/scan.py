@@ -96,8 +96,14 @@ def scan_folder(root: Path) -> Scan:
         rel_dir, dir_path = stack.pop()
         try:
             entries = list(os.scandir(dir_path))
+            # A sub-folder swapped for a link after its parent was listed: its listing is
+            # of some folder elsewhere, whose names are not the inbox's to show.
+            moved = rel_dir and os.path.realpath(dir_path) != os.path.join(real_root, rel_dir)
         except OSError as exc:
             out.problems.append(f"{rel_dir or '.'}: {exc.strerror or exc}")
+            continue
+        if moved:
+            out.skipped[rel_dir] = "a folder replaced by a link while it was looked at"
             continue
         for entry in entries:
             name = entry.name

@@ -118,6 +118,32 @@ def test_a_folder_swapped_for_a_link_after_the_scan_is_not_read_through(folders,
     assert "not inside the watched folder" in item.received.refused
 
 
+def test_a_folder_swapped_for_a_link_while_the_scan_looks_is_not_listed(
+    folders, tmp_path, monkeypatch
+):
+    """The scan lists a folder, then looks inside each sub-folder: one swapped for a link to
+    a folder elsewhere in between must not put that folder's names in the inbox."""
+    from app.watcher import scan
+
+    inbox, _, _ = folders
+    (inbox / "sub").mkdir()
+    (inbox / "sub" / "notes.txt").write_text("The office opens at 8.")
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "salaries.txt").write_text(SECRET)
+    listed = os.scandir
+
+    def swap_then_list(path):
+        if Path(path) == inbox / "sub":  # the moment between the parent's listing and this
+            os.rename(inbox / "sub", tmp_path / "was-sub")
+            (inbox / "sub").symlink_to(tmp_path / "private", target_is_directory=True)
+        return listed(path)
+
+    monkeypatch.setattr(scan.os, "scandir", swap_then_list)
+    found = scan_folder(inbox)
+    assert "sub/salaries.txt" not in found.files
+    assert found.skipped["sub"] == "a folder replaced by a link while it was looked at"
+
+
 def test_a_file_replaced_by_a_fifo_after_the_scan_does_not_block(folders):
     inbox, _, _ = folders
     (inbox / "a.txt").write_text("The office opens at 8.")
