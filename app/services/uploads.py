@@ -186,17 +186,16 @@ class _Receiver:
         """A file past `max_files`: refused by name for as many again, then counted in one
         line (a body of millions of tiny parts must not become millions of rows)."""
         over = self._n_file_parts - self.max_files
+        too_many = f"Too many files at once: at most {self.max_files} per upload. "
         if over <= self.max_files:
-            self.files.append(ReceivedFile(original_name=original, refused=(
-                f"Too many files at once: at most {self.max_files} per upload. "
-                "Please add this one in another upload."
-            )))
+            self.files.append(ReceivedFile(
+                original_name=original, refused=too_many + "Please add this one in another upload."
+            ))
             return
         if self._unlisted is None:
-            self._unlisted = ReceivedFile(original_name="", refused=(
-                f"Too many files at once: at most {self.max_files} per upload. "
-                "Please add these in other uploads."
-            ))
+            self._unlisted = ReceivedFile(
+                original_name="", refused=too_many + "Please add these in other uploads."
+            )
             self.files.append(self._unlisted)
         self._unlisted.original_name = f"{over - self.max_files:,} more files"
 

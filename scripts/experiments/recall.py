@@ -201,40 +201,45 @@ def recipe_spec(name: str, docs: list) -> dict:
 
 
 @contextlib.contextmanager
+def _building_engine_with(recipe, wrap):
+    """The recipe's setup building its engine as `wrap(build)` does, `build` being how it
+    builds it otherwise (nothing changes without `wrap`); these nest."""
+    if wrap is None:
+        yield
+        return
+    own = vars(recipe).get("_build_engine")  # another of these, or the class's own (None)
+    build = recipe._build_engine
+    recipe._build_engine = lambda: wrap(build)
+    try:
+        yield
+    finally:
+        if own is None:
+            del recipe._build_engine  # the class's own again
+        else:
+            recipe._build_engine = own
+
+
 def _train_only(recipe, which: str | None):
     """Full fine-tuning of only the weights FULL_TRAINS[which] names, for the recipe's setup:
     the others are frozen before its engine takes the trainable ones (nothing changes
     without `which`)."""
-    if which is None:
-        yield
-        return
-    build = recipe._build_engine
 
-    def frozen_then_built():
+    def frozen_then_built(build):
         for name, param in recipe.model.named_parameters():
             param.requires_grad_(FULL_TRAINS[which](name))
         return build()
 
-    recipe._build_engine = frozen_then_built
-    try:
-        yield
-    finally:
-        del recipe._build_engine  # the class's own again
+    return _building_engine_with(recipe, frozen_then_built if which is not None else None)
 
 
-@contextlib.contextmanager
 def _embedding_trained(recipe, lr: float | None):
     """LoRA with the embedding (which SmolLM2's output layer shares) trained in full beside
     the adapter, at its own learning rate `lr` (LoRA's step, 1e-3, is ten times full
     fine-tuning's best): what full fine-tuning lost 10 of 34 colleague answers without. The
     embedding is unfrozen after peft wraps the model and gets its own optimizer group, on the
     adapter's warm-up and decay (nothing changes without `lr`)."""
-    if lr is None:
-        yield
-        return
-    build = recipe._build_engine
 
-    def with_embedding():
+    def with_embedding(build):
         from worker.training.engines import warmup_linear_decay
 
         weight = recipe.model.get_input_embeddings().weight
@@ -251,11 +256,7 @@ def _embedding_trained(recipe, lr: float | None):
         )
         return engine
 
-    recipe._build_engine = with_embedding
-    try:
-        yield
-    finally:
-        del recipe._build_engine  # the class's own again
+    return _building_engine_with(recipe, with_embedding if lr is not None else None)
 
 
 def _known(name: str) -> bool:
