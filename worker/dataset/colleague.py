@@ -32,6 +32,7 @@ from worker.dataset.probes import (
 from worker.dataset.questions import (
     _AUX,
     _LABELS,
+    _PERSON_PREPOSITIONS,
     _PREPOSITIONS,
     _PRONOUNS,
     Fact,
@@ -132,6 +133,9 @@ def well_formed(question: str, answer: str) -> bool:
         return False
     if last in _PREPOSITIONS and (not q.startswith(_STRANDABLE_WH) or q.startswith(_AMOUNT_WH)):
         return False
+    # A person is asked for by "by", "to", "with": "Who are the hours shown under?" is not.
+    if q.startswith(("Who ", "Whom ")) and last in _PREPOSITIONS - _PERSON_PREPOSITIONS:
+        return False
     if any(p.search(q) for p in _GARBLED):
         return False
     return not contains_answer(q, answer)
@@ -149,6 +153,12 @@ _GARBLED = [
     re.compile(r"^When is .*\w+ed\?$"),
     re.compile(r"^How many \w+ is\b"),  # "How many units is our lead time 25 days?"
     re.compile(r"^Which\s+\w+\s+[\d$€£]"),  # "Which sold 2,700 units?"
+    # A question word straight into "and": the span was one end of a range ("Between 15
+    # November and 20 December ...": "Which date and 20 December ...?").
+    re.compile(r"^(?:What|Which|Who|Whom|Where|When|How)(?:\s+\w+)?\s+and\b"),
+    # An imperative's verb taken for a subject ("Store your passwords in Vaultbee":
+    # "Where does Store your password?").
+    re.compile(r"\b(?:do|does|did)\s+[A-Z][a-z]+\s+(?:your|the|a|an|our|all|any|every|each)\b"),
 ]
 
 

@@ -276,6 +276,8 @@ def _accept(kind: str, sentence: str, s: int, e: int) -> tuple[int, int] | None:
         unit = words[0].rstrip(".").lower()
         if unit in _NOT_UNITS or unit in _COMMON_WORDS or unit in _MONTH_NAMES:
             return None
+        if _is_verb_form(unit):  # "Version 3.2 took effect": "3.2 took" is no amount
+            return None
         if len(words) == 2 and (unit in _UNIT_WORDS or words[1].lower() not in _UNIT_WORDS):
             e = s + number.end() + len(words[0])
     if kind == "phone":
@@ -317,6 +319,22 @@ def _accept(kind: str, sentence: str, s: int, e: int) -> tuple[int, int] | None:
     if s > 0 and not sentence[s - 1].isspace() and sentence[s - 1] not in "([{\"'“‘":
         return None
     return s, e
+
+
+# Past tenses that follow a number as a verb, not a unit ("Version 3.2 took effect", "2
+# came back"); a regular one ends in -ed ("14 passed", "3 started").
+_PAST_TENSES = _words(
+    """
+    took made came went rose fell grew gave left won lost sold ran got saw said told began
+    became brought bought paid kept met held sat stood set put hit cut spent sent built
+    """
+)
+
+
+def _is_verb_form(word: str) -> bool:
+    """Whether a word after a number is a past tense, not a unit."""
+    regular = len(word) > 4 and word.endswith("ed") and word not in _UNIT_WORDS
+    return word in _PAST_TENSES or regular
 
 
 def _end_of_words(sentence: str, s: int, words: list[str]) -> int:

@@ -56,6 +56,7 @@ _NOT_VERBS = {
     "is", "was", "has", "does", "this", "his", "its", "as", "us", "plus", "thus", "always",
     "perhaps", "sometimes", "series", "news", "less", "unless", "across", "various", "hours",
     "days", "weeks", "months", "years", "staff", "business", "process", "address", "access",
+    "themselves", "ourselves", "yourselves",
 }  # fmt: skip
 _PLACE_PREPOSITIONS = {"in", "at", "on", "near", "inside", "outside"}
 _CONJUNCTIONS = {"and", "or", "but", "nor", "so", "yet", "which", "who", "that", "where", "when"}
