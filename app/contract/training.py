@@ -78,6 +78,9 @@ REPLAY = 16  # everyday requests the base model answers once, trained on too (wo
 # depending on the seed), and a perplexity over one or two chunks says little.
 HOLDOUT_FROM_WORDS = 5_000
 HOLDOUT_FRAC = 0.1  # the share held out above it (worker.dataset.build)
+# From this size (words, and 30 a question-answer pair) the default reads the documents
+# twice: three passes of a corpus this size would take about 10 minutes on 2 cores.
+TWO_PASSES_FROM = 2_500
 CHECKPOINT_EVERY = 25  # optimizer steps between a job's checkpoints (also at every epoch end)
 
 
@@ -110,12 +113,16 @@ def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
     Small corpora need more passes to be learned at all; large ones fewer, so the
     number of optimizer steps (and the wall time) stays roughly bounded. The practice
     questions multiply the examples (about 8x on the fixture corpus), so the passes are
-    fewer than text alone would need.
+    fewer than text alone would need. Two passes from 2,500: at the size of a small
+    company's office files (tests/fixtures/fullsize_docs.py, 3,456 words) three took 12.4
+    minutes of training on a 2-core AMD EPYC, two 8.1, with as many colleague questions
+    right within a seed's spread, a card nearer to them and less forgetting (README "At the
+    size of a company's files").
     """
     size = n_words + 30 * n_qa  # a Q&A pair is worth about one short paragraph
     if size < 2_000:
         epochs = 4
-    elif size < 10_000:
+    elif size < TWO_PASSES_FROM:
         epochs = 3
     else:
         epochs = 2

@@ -23,11 +23,14 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --open-book 2 \
         --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
+    .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
 
 `--corpus heldout` trains on a second made-up company's files instead
 (tests/fixtures/heldout_docs.py) and asks its own hand-written colleague questions, written
 by someone who had not seen the card's question generator and never used to tune a recipe:
-whether the card's gap holds on documents it was not developed on.
+whether the card's gap holds on documents it was not developed on. `--corpus fullsize` is a
+third company's eight office files at the size of the issue's (about 3,500 words,
+tests/fixtures/fullsize_docs.py), with 84 colleague questions.
 
 A recipe is a name below or `default` (the app's defaults for this corpus), each optionally
 followed by `+setting=value` overrides. `--device cuda` trains and asks on a GPU (to screen
@@ -267,15 +270,22 @@ def _known(name: str) -> bool:
     return True
 
 
+# --corpus names: the module of tests/fixtures that holds the corpus, its writer and its
+# hand-written colleague questions.
+CORPORA: dict[str, tuple[str, str, str]] = {
+    "fixture": ("tests.fixtures.docs", "write_sample_corpus", "CALIBRATION"),
+    "heldout": ("tests.fixtures.heldout_docs", "write_heldout_corpus", "HELDOUT"),
+    "fullsize": ("tests.fixtures.fullsize_docs", "write_fullsize_corpus", "FULLSIZE"),
+}
+
+
 def corpus_of(name: str) -> tuple:
     """(the corpus writer, its hand-written colleague questions) of a --corpus name."""
-    if name == "heldout":
-        from tests.fixtures.heldout_docs import HELDOUT, write_heldout_corpus
+    import importlib
 
-        return write_heldout_corpus, HELDOUT
-    from tests.fixtures.docs import CALIBRATION, write_sample_corpus
-
-    return write_sample_corpus, CALIBRATION
+    module, writer, questions = CORPORA[name]
+    found = importlib.import_module(module)
+    return getattr(found, writer), getattr(found, questions)
 
 
 def load_corpus(folder: Path, corpus: str = "fixture") -> list:
@@ -579,11 +589,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     parser.add_argument(
         "--corpus",
-        choices=("fixture", "heldout"),
+        choices=tuple(CORPORA),
         default="fixture",
         help="fixture: Northwind Widgets and its 60 calibration questions (tests/fixtures/docs.py); "
         "heldout: a second company's files and questions, never used to tune a recipe "
-        "(tests/fixtures/heldout_docs.py)",
+        "(tests/fixtures/heldout_docs.py); fullsize: a third company's eight office files at the "
+        "size of the issue's (about 3,500 words; tests/fixtures/fullsize_docs.py)",
     )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]

@@ -71,8 +71,8 @@ def test_train_shows_the_defaults_for_the_corpus(client, env):
         project_id = project.id
     page = client.get(f"/projects/{project_id}").text
     assert "disabled" not in _train_button(page)
-    expected = default_params(3000, 100, "lora")  # 6,000 "words": 3 epochs
-    assert expected["epochs"] == 3
+    expected = default_params(3000, 100, "lora")  # 6,000 "words": 2 epochs
+    assert expected["epochs"] == 2
     assert re.search(rf"Passes over your documents</dt><dd>{expected['epochs']}</dd>", page)
     assert "<dd>0.001</dd>" in page and "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
     assert "<dd>2 per fact in your documents</dd>" in page  # the practice questions
@@ -219,6 +219,18 @@ def test_create_job_refuses_while_documents_are_pending(env):
         make_document(session, project, "b.txt", DocStatus.pending)
         with pytest.raises(InvalidInput, match="still being read"):
             jobs_service.create_job(session, project, {})
+
+
+def test_the_passes_fall_as_the_documents_grow_so_training_stays_near_ten_minutes():
+    from app.contract.training import TWO_PASSES_FROM
+
+    assert default_params(862, 12, "lora")["epochs"] == 4  # the fixture corpus: 1,222
+    assert default_params(1_999, 0, "lora")["epochs"] == 4
+    assert default_params(2_000, 0, "lora")["epochs"] == 3
+    assert default_params(TWO_PASSES_FROM - 31, 1, "lora")["epochs"] == 3
+    assert default_params(TWO_PASSES_FROM - 30, 1, "lora")["epochs"] == 2  # a pair: 30 words
+    assert default_params(3_111, 12, "lora")["epochs"] == 2  # tests/fixtures/fullsize_docs.py
+    assert default_params(50_000, 0, "full")["epochs"] == 2
 
 
 def test_short_document_sets_are_trained_on_whole():

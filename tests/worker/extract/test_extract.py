@@ -149,12 +149,28 @@ def test_planted_facts_come_out(corpus: dict[str, Extracted], fact: docs.Fact) -
     assert fact.answer in everything
 
 
+def _extracted(write, folder: Path) -> dict[str, Extracted]:
+    """A corpus writer's files, extracted, by file name."""
+    return {p.name: extract(p, kind_for_filename(p.name)) for p in write(folder)}
+
+
+def _check_calibration_set(corpus: dict[str, Extracted], facts: list[docs.Fact]) -> None:
+    """Hand-written colleague questions as the recall experiment grades them: all four kinds,
+    each answer out of the file it names and not inside its own question."""
+    kinds = {"as written", docs.OTHER, docs.REVERSE, docs.TABLE}
+    assert len(facts) >= 40 and {f.kind for f in facts} == kinds
+    for fact in facts:
+        result = corpus[fact.filename]
+        everything = result.text + "\n" + "\n".join(f"{q}\n{a}" for q, a in result.qa_pairs)
+        assert fact.answer.casefold() in everything.casefold(), fact  # as answers are graded
+        assert fact.answer.casefold() not in fact.question.casefold(), fact
+
+
 @pytest.fixture(scope="module")
 def heldout_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Extracted]:
     from tests.fixtures.heldout_docs import write_heldout_corpus
 
-    paths = write_heldout_corpus(tmp_path_factory.mktemp("heldout"))
-    return {p.name: extract(p, kind_for_filename(p.name)) for p in paths}
+    return _extracted(write_heldout_corpus, tmp_path_factory.mktemp("heldout"))
 
 
 def test_the_heldout_corpus_states_every_answer_once_in_its_own_file(
@@ -164,14 +180,34 @@ def test_the_heldout_corpus_states_every_answer_once_in_its_own_file(
     answer comes out of the file it names, and the files are another company's."""
     from tests.fixtures.heldout_docs import HELDOUT
 
-    kinds = {"as written", docs.OTHER, docs.REVERSE, docs.TABLE}
-    assert len(HELDOUT) >= 40 and {f.kind for f in HELDOUT} == kinds
-    for fact in HELDOUT:
-        result = heldout_corpus[fact.filename]
-        everything = result.text + "\n" + "\n".join(f"{q}\n{a}" for q, a in result.qa_pairs)
-        assert fact.answer.casefold() in everything.casefold(), fact  # as answers are graded
+    _check_calibration_set(heldout_corpus, HELDOUT)
     northwind = {f.answer for f in docs.CALIBRATION}
     assert not northwind & {f.answer for f in HELDOUT} - {"manager"}
+
+
+@pytest.fixture(scope="module")
+def fullsize_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Extracted]:
+    from tests.fixtures.fullsize_docs import write_fullsize_corpus
+
+    return _extracted(write_fullsize_corpus, tmp_path_factory.mktemp("fullsize"))
+
+
+def test_the_fullsize_corpus_states_every_answer_in_its_own_file_at_the_issues_size(
+    fullsize_corpus: dict[str, Extracted],
+) -> None:
+    """The recall experiment's third corpus (--corpus fullsize): eight office files of a third
+    company, as many words as the user's upload that reported the problem (3,463), and each
+    hand-written question's answer comes out of the file it names."""
+    from tests.fixtures.fullsize_docs import FULLSIZE
+    from tests.fixtures.heldout_docs import HELDOUT
+
+    _check_calibration_set(fullsize_corpus, FULLSIZE)
+    assert len(FULLSIZE) >= 60 and {f.filename for f in FULLSIZE} == set(fullsize_corpus)
+    others = {f.answer for f in docs.CALIBRATION} | {f.answer for f in HELDOUT}
+    assert not others & {f.answer for f in FULLSIZE}  # no generic answer shared, not even one
+    words = sum(result.word_count for result in fullsize_corpus.values())  # text + "q a"
+    assert 3_300 <= words <= 3_700
+    assert all(not result.warnings for result in fullsize_corpus.values())
 
 
 def test_qa_files_give_pairs_and_text_files_give_text(corpus: dict[str, Extracted]) -> None:
