@@ -52,12 +52,17 @@ def _reset_engine() -> None:
 
 
 def _point_celery_at(url: str) -> None:
+    from kombu import pools
+
     from app.queue import celery_client
 
     celery_client.conf.broker_url = url
-    if celery_client._pool is not None:
-        celery_client._pool.force_close_all()
-        celery_client._pool = None
+    # kombu keeps its connection and producer pools in registries keyed by the broker's
+    # address: a pool closed but left registered is handed out again to the next client of
+    # that address ("Acquire on closed pool", when the app tests' package fixture is set up a
+    # second time in one run). reset() closes every pool and empties the registries.
+    pools.reset()
+    celery_client._pool = None
     celery_client.amqp._producer_pool = None
 
 
