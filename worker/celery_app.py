@@ -12,6 +12,7 @@ from app.queue import make_celery
 from worker import registry
 
 log = logging.getLogger(__name__)
+_measuring = None  # the machine measurement's child process, ended when the worker stops
 
 celery = make_celery("doctune-worker")
 celery.conf.update(
@@ -55,6 +56,10 @@ def _on_ready(sender, **_kwargs) -> None:
 
 @worker_shutdown.connect
 def _on_shutdown(sender, **_kwargs) -> None:
+    if _measuring is not None:
+        from worker.training.machine_profile import stop_measuring
+
+        stop_measuring(_measuring)
     try:
         registry.stop(sender.hostname)
     except Exception:  # the page will call it offline a little later instead of stopped
@@ -81,7 +86,8 @@ def _measure_machine() -> None:
     """Measure disk and CPU speed once, in a child process, for the Train button's estimate."""
     from worker.training.machine_profile import start_measuring
 
+    global _measuring
     try:
-        start_measuring()
+        _measuring = start_measuring()
     except Exception:  # an estimate is a nicety: never keep the worker from starting
         log.exception("could not start measuring this machine")

@@ -14,11 +14,13 @@ worker nor leaves torch threads in the Celery parent that later forks pool child
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -258,7 +260,30 @@ def start_measuring() -> subprocess.Popen | None:
     )
 
 
+def stop_measuring(child: subprocess.Popen | None, grace_s: float = 10.0) -> None:
+    """End a measurement `start_measuring` started, when the worker stops: it would go on
+    using the cores after `doctune up` is gone. SIGTERM first (its own session: the signal
+    reaches its group), so it removes its probe file (see `main`); SIGCONT with it, so a
+    stopped child gets it too; SIGKILL if it is not gone in `grace_s`."""
+    if child is None or child.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+    try:
+        child.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+
+
+def _exit_on_sigterm(signum, _frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds: the probe file and temp file are removed
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     os.nice(5)  # a training job on the same machine comes first
     started = time.perf_counter()
