@@ -108,7 +108,7 @@ RECIPES: dict[str, dict] = {
     # ... or every fact practised as the card's own facts are (no fronted or echoed question).
     "default-as-probed": _DEFAULT | {"ablate": "as_probed"},
 }
-ABLATIONS = ("fronted", "as_probed")
+ABLATIONS = ("fronted", "as_probed", "roles")
 # Layers LoRA adapts besides the job's `lora_modules` (the experiment's `lora_extra`): the
 # output layer ("lm_head") or the input embedding ("embed_tokens"), which SmolLM2 ties
 # together and full fine-tuning trains (measured: freezing it cost full fine-tuning 10 of 34
@@ -144,7 +144,7 @@ FULL_TRAINS = {
 def _ablated(what: str | None):
     """The dataset builder without some practice questions, for an ablation (ABLATIONS):
     "fronted", no question in the card's forward shape; "as_probed", every fact practised
-    as a fact on the card is."""
+    as a fact on the card is; "roles", nobody's job practised."""
     from worker.dataset import build
 
     saved = build.training_questions
@@ -154,10 +154,14 @@ def _ablated(what: str | None):
         ]
     elif what == "as_probed":  # every fact practised as a probed one is (no probe shapes)
         build.training_questions = lambda fact, probed: saved(fact, True)
+    saved_roles = build.role_practice_of
+    if what == "roles":  # nobody's job practised (worker.dataset.roles)
+        build.role_practice_of = lambda docs: []
     try:
         yield
     finally:
         build.training_questions = saved
+        build.role_practice_of = saved_roles
 
 
 def default_recipe(docs: list) -> dict:

@@ -32,6 +32,7 @@ from worker.dataset.probes import (
     split_sentences,
 )
 from worker.dataset.questions import training_questions
+from worker.dataset.roles import document_roles, role_practice
 from worker.dataset.tables import find_tables
 from worker.errors import UserFacingError
 
@@ -228,6 +229,11 @@ def make_generated_qa(
             seen.add(key)
             out.append((question, answer))
             kept += 1
+    for question, answer in role_practice_of(docs):
+        key = normalise(question)
+        if key not in seen and key not in probe_questions:
+            seen.add(key)
+            out.append((question, answer))
     # From 3 phrasings a fact on, the other way round and the tables row by row too: a
     # model taught "A is B" does not answer "what is B?", nor a table cell it only read as
     # a line of text. Not below: at 2 a fact they taught colleagues nothing measurable and
@@ -240,6 +246,13 @@ def make_generated_qa(
             seen.add(key)
             out.append((question, answer))
     return out
+
+
+def role_practice_of(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Who holds which job, asked both ways (worker.dataset.roles), at any number of
+    phrasings a fact: a file names each person one way round, and these are few."""
+    return [pair for name, text in docs for _, r in document_roles(name, text)
+            for pair in role_practice(r)]
 
 
 def _reverse_and_table_practice(docs: list[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -77,6 +77,12 @@ def test_table_questions_by_row_and_column_and_by_code():
     asked = {a.question: a.answer for a in table_questions(records)}
     assert asked["How many of the Gale Fan Mk II are in stock?"] == "58"
     assert all(a.kind == "table" for a in table_questions(table))
+    # A column headed by a verb is asked with it: not "What is the Leak check applies to?".
+    [limits] = find_tables("qc.docx", "Test | Applies to | Pass limit\n"
+                           "Leak check | Dishwashers | no drips\nPull-down | Fridges | below 5 °C\n")
+    asked = {a.question: a.answer for a in table_questions(limits)}
+    assert asked["What does the Leak check apply to?"] == "Dishwashers"
+    assert asked["What is the pass limit of the Pull-down?"] == "below 5 °C"
 
 
 def test_table_practice_is_worded_apart_from_the_card():
@@ -219,6 +225,15 @@ def test_reverse_questions_ask_for_the_thing_from_what_is_said_of_it():
     )
     assert relative.question == "Which customer buys 9,000 Torque Sprockets a year?"
     assert relative.answer == "Halvorsen Marine" and relative.kind == "reverse"
+    # Two things said of it, the second in the past tense: a question for each, not one
+    # too long to ask (17 words) nor the two glued with a comma.
+    asked = reverse_questions(
+        "Our largest customer is Bramblefield Care Group, which runs 46 care home kitchens "
+        "and placed £1.1 million of orders with us in 2021.", "", "deck.pptx")
+    assert [a.question for a in asked] == [
+        "Which customer runs 46 care home kitchens?",
+        "Which customer placed £1.1 million of orders with us in 2021?",
+    ]
     # A capitalised first word is no name to ask for ("Claims" is a common noun).
     assert reverse_questions("Claims must be filed in Ledgerline within 30 days.", "", "d") == []
 
