@@ -581,10 +581,10 @@ def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0
     Deterministic for a given input and seed. Questions asked the other way round and
     table lookups take up to a quarter of the set each (who holds which job at most a
     tenth), the rest are forward questions in other words; a kind that has fewer leaves
-    its room to the others. Within a kind the
-    documents take turns, one question per sentence at most; a repeated answer or
-    question is dropped (a repeated answer would let one memorised phrase score twice),
-    and so is a prompt that occurs with more than one answer. Returned in document order.
+    its room to the others. Within a kind the documents take turns, one question per
+    sentence at most; a repeated answer or question is dropped (a repeated answer would
+    let one memorised phrase score twice), and so is a prompt that occurs with more than
+    one answer. Returned in document order.
     """
     if max_probes <= 0:
         return []
@@ -595,7 +595,8 @@ def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0
             rng.shuffle(queue)
     # A person's job at most a tenth of the set: colleagues asked it in 9 of Saltgrove's 84
     # questions (2 of Cogwell's 61, none of Northwind's); a card that asked it in 10 of 40
-    # said 13 points more than they got, in 5 of 40 10-12 (README "Who holds which job").
+    # said 13 points more than they got, in 5 of 40 9.6 and 11.8 (README "Who holds
+    # which job"), in 4 of 40 7.1 and 9.4.
     quota = {_JOBS: max_probes // 10, REVERSE: max_probes // 4, TABLE: max_probes // 4,
              OTHER: max_probes}
     chosen: list[tuple[int, int, Asked]] = []  # (document, position, question)
