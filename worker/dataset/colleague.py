@@ -623,7 +623,7 @@ def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0
                     break
 
     take(_JOBS, quota[_JOBS])
-    quota[REVERSE] -= sum(a.kind == REVERSE for *_, a in chosen)
+    quota[REVERSE] -= len(chosen)  # the jobs taken count as questions the other way round
     for kind in (REVERSE, TABLE, OTHER):
         take(kind, quota[kind])
     for kind in (REVERSE, TABLE):  # room left: more of the other kinds (not of jobs)

@@ -13,6 +13,7 @@ words, none of them such a noun. Pure Python, no model.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 
 from worker.dataset.probes import split_sentences
@@ -140,11 +141,8 @@ def document_roles(source: str, text: str) -> list[tuple[int, Role]]:
             if key not in seen:
                 seen.add(key)
                 found.append((i, r))
-    names: dict[str, int] = {}
-    jobs: dict[str, int] = {}
-    for _, r in found:
-        names[r.name] = names.get(r.name, 0) + 1
-        jobs[r.role.casefold()] = jobs.get(r.role.casefold(), 0) + 1
+    names = Counter(r.name for _, r in found)
+    jobs = Counter(r.role.casefold() for _, r in found)
     return [(i, r) for i, r in found if names[r.name] == 1 and jobs[r.role.casefold()] == 1]
 
 
