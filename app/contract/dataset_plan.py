@@ -20,7 +20,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Raise it when the plan's meaning changes (the dataset code counts differently).
-FORMAT = 3  # 2: predicting; 3: who holds which job practised (worker/dataset/roles.py)
+FORMAT = 4  # 2: predicting; 3: who holds which job practised (worker/dataset/roles.py);
+# 4: and in question-answer pairs' answers
 # The job settings the dataset and its batches depend on (app.contract.training names them;
 # batch size and grouping are the recipe's fixed defaults).
 PLAN_PARAMS = ("max_seq_len", "generated_qa", "replay", "epochs", "seed", "holdout_frac",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from worker.dataset.colleague import (
@@ -203,10 +204,14 @@ _TEMPLATE_ORDER = ("fronted", "echo", "topic", "fill_blank", "complete")
 
 
 def make_generated_qa(
-    docs: list[tuple[str, str]], probes: list[Probe], per_fact: int
+    docs: list[tuple[str, str]],
+    probes: list[Probe],
+    per_fact: int,
+    answers: Sequence[tuple[str, str]] = (),
 ) -> list[tuple[str, str]]:
     """(question, answer) pairs teaching every fact of `docs`, at most `per_fact` phrasings
-    each, in a deterministic order.
+    each, in a deterministic order; `answers` ((name, text) of question-answer pairs'
+    answers trained on) add who holds which job, and nothing else.
 
     Honesty: no fact of a probed sentence is asked in a probe template (so a question about
     another span of the same sentence cannot hand over the probe's question and answer), and
@@ -229,7 +234,7 @@ def make_generated_qa(
             seen.add(key)
             out.append((question, answer))
             kept += 1
-    for question, answer in role_practice_of(docs):
+    for question, answer in role_practice_of([*docs, *answers]):
         key = normalise(question)
         if key not in seen and key not in probe_questions:
             seen.add(key)
@@ -300,7 +305,7 @@ def build_dataset(
     notes: list[str] = []
     ordered = _unique_documents(docs, notes)
     chunks = _document_chunks(tokenizer, ordered, limit, max_seq_len, notes)
-    qa = _qa_pairs(ordered)
+    qa, qa_sources = _qa_pairs(ordered)
     held_chunks = _hold_out(len(chunks), holdout_frac, seed, "chunks")
     held_qa = _hold_out(len(qa), holdout_frac, seed, "qa")
     _note_hold_out(len(chunks), len(held_chunks), len(qa), len(held_qa), notes, holdout_frac)
@@ -308,8 +313,10 @@ def build_dataset(
     text_examples = _chunk_examples(tokenizer, chunks, held_chunks)
     qa_examples = _qa_examples(tokenizer, qa, held_qa, max_seq_len, notes)
     probe_docs = _trained_text(ordered, chunks, held_chunks)
-    probes = _probes(probe_docs, max_probes, seed, notes)
-    practice = _practice_examples(tokenizer, probe_docs, probes, generated_qa, max_seq_len, notes)
+    answers = _trained_answers(qa, qa_sources, held_qa)
+    probes = _probes(probe_docs, answers, max_probes, seed, notes)
+    practice = _practice_examples(tokenizer, probe_docs, answers, probes, generated_qa,
+                                  max_seq_len, notes)
 
     examples = text_examples + qa_examples + practice
     # Mix documents and Q&A (a trainer that does not shuffle still sees both throughout).
@@ -390,9 +397,11 @@ def _document_chunks(
     return chunks
 
 
-def _qa_pairs(ordered: list[SourceDoc]) -> list[tuple[str, str]]:
-    """The documents' question-answer pairs, stripped, without empty or repeated ones."""
+def _qa_pairs(ordered: list[SourceDoc]) -> tuple[list[tuple[str, str]], list[str]]:
+    """The documents' question-answer pairs, stripped, without empty or repeated ones, and
+    the name of the document each came from."""
     qa: list[tuple[str, str]] = []
+    sources: list[str] = []
     seen_qa: set[tuple[str, str]] = set()
     for doc in ordered:
         for q, a in doc.qa_pairs:
@@ -400,7 +409,22 @@ def _qa_pairs(ordered: list[SourceDoc]) -> list[tuple[str, str]]:
             if pair[0] and pair[1] and pair not in seen_qa:
                 seen_qa.add(pair)
                 qa.append(pair)
-    return qa
+                sources.append(doc.name)
+    return qa, sources
+
+
+def _trained_answers(
+    qa: list[tuple[str, str]], sources: list[str], held: set[int]
+) -> list[tuple[str, str]]:
+    """(document name, its trained pairs' answers, a paragraph each) for each document with
+    pairs trained on: where a support file names who holds which job ("our Customer Service
+    Lead, Sunniva Holt, ..."), asked and practised as a document's are (worker.dataset.roles).
+    """
+    by_source: dict[str, list[str]] = {}
+    for i, ((_, answer), source) in enumerate(zip(qa, sources, strict=True)):
+        if i not in held:
+            by_source.setdefault(source, []).append(answer)
+    return [(name, _PARA_SEP.join(answers)) for name, answers in by_source.items()]
 
 
 def _hold_out(n: int, frac: float, seed: int, stream: str) -> set[int]:
@@ -492,9 +516,13 @@ def _trained_text(
 
 
 def _probes(
-    probe_docs: list[tuple[str, str]], max_probes: int, seed: int, notes: list[str]
+    probe_docs: list[tuple[str, str]],
+    answers: list[tuple[str, str]],
+    max_probes: int,
+    seed: int,
+    notes: list[str],
 ) -> list[Probe]:
-    probes = make_probes(probe_docs, max_probes=max_probes, seed=seed)
+    probes = make_probes(probe_docs, max_probes=max_probes, seed=seed, answers=answers)
     if max_probes > 0 and not probes:
         notes.append(
             "No sentence with a distinctive fact (number, code, name, date) was found: "
@@ -510,6 +538,7 @@ def _probes(
 def _practice_examples(
     tokenizer,
     probe_docs: list[tuple[str, str]],
+    answers: list[tuple[str, str]],
     probes: list[Probe],
     per_fact: int,
     max_seq_len: int,
@@ -520,7 +549,7 @@ def _practice_examples(
     if per_fact <= 0:
         return []
     examples: list[dict] = []
-    for q, a in make_generated_qa(probe_docs, probes, per_fact):
+    for q, a in make_generated_qa(probe_docs, probes, per_fact, answers=answers):
         ids, n_prompt = encode_qa(tokenizer, q, a)
         if len(ids) <= max_seq_len:
             examples.append(answer_example(ids, n_prompt))

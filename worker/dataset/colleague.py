@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from worker.dataset.corpus import Probe
@@ -485,6 +486,11 @@ def _relative_clause(sentence: str, source: str) -> list[Asked]:
     return out
 
 
+def _job_questions(name: str, text: str) -> list[tuple[int, Asked]]:
+    """(sentence position, question) of who holds which job in a document, both ways."""
+    return [(i, a) for i, r in document_roles(name, text) for a in role_questions(r)]
+
+
 def role_questions(r: Role) -> list[Asked]:
     """A person named beside their job, asked both ways: who holds it, what they do."""
     out = []
@@ -574,9 +580,16 @@ def reverse_practice(asked: Asked) -> tuple[str, str]:
 # The card's set
 
 
-def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0) -> list[Probe]:
+def make_probes(
+    docs: list[tuple[str, str]],
+    max_probes: int = 40,
+    seed: int = 0,
+    answers: Sequence[tuple[str, str]] = (),
+) -> list[Probe]:
     """Up to `max_probes` recall probes from (name, text) documents: the score card's
     questions, put as a colleague would (worker.dataset.colleague), of three kinds.
+    `answers`, (name, text) of question-answer pairs' answers trained on, add who holds
+    which job, and nothing else.
 
     Deterministic for a given input and seed. Questions asked the other way round and
     table lookups take up to a quarter of the set each (who holds which job at most a
@@ -589,6 +602,7 @@ def make_probes(docs: list[tuple[str, str]], max_probes: int = 40, seed: int = 0
     if max_probes <= 0:
         return []
     pools = _question_pools(docs)
+    pools[_JOBS] += [_job_questions(name, text) for name, text in answers]
     rng = random.Random(seed)
     for by_doc in pools.values():
         for queue in by_doc:
@@ -671,8 +685,7 @@ def _question_pools(docs: list[tuple[str, str]]) -> dict[str, list[list[tuple[in
         pools[OTHER].append(others)
         reverse = document_reverse_questions(name, text)
         pools[REVERSE].append(reverse)
-        pools[_JOBS].append([(i, a) for i, r in document_roles(name, text)
-                             for a in role_questions(r)])
+        pools[_JOBS].append(_job_questions(name, text))
         cells = [a for t in find_tables(name, text) for a in table_questions(t)]
         # After every sentence: a position no sentence index reaches.
         pools[TABLE].append([(len(text) + k, a) for k, a in enumerate(cells)])

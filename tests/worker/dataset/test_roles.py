@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.dataset.build import make_generated_qa
+from worker.dataset.build import build_dataset, make_generated_qa
 from worker.dataset.colleague import REVERSE, make_probes, role_questions, well_formed
+from worker.dataset.corpus import SourceDoc
 from worker.dataset.probes import normalise
 from worker.dataset.roles import document_roles, roles_in
 
@@ -110,11 +111,15 @@ def test_the_card_asks_both_ways_and_the_practice_teaches_both_ways_in_other_wor
 def test_every_person_and_job_saltgrove_s_files_name_is_found(tmp_path):
     """The third calibration company's eight files (tests/fixtures/fullsize_docs.py) name
     nine people beside their jobs, in five ways: role first, name first, a lower-case role
-    with a place after it, a list of those present, a signature line."""
+    with a place after it, a list of those present, a signature line; a support case's
+    answer names a tenth."""
     from scripts.experiments.recall import load_corpus
 
-    found = {(r.name, r.role) for d in load_corpus(tmp_path, "fullsize")
-             for _, r in document_roles(d.name, d.text)}
+    docs = load_corpus(tmp_path, "fullsize")
+    found = {(r.name, r.role) for d in docs for _, r in document_roles(d.name, d.text)}
+    in_answers = {(r.name, r.role) for d in docs for a in d.qa_pairs
+                  for _, r in document_roles(d.name, a[1])}
+    assert in_answers == {("Sunniva Holt", "Customer Service Lead")}  # the support cases'
     assert found == {
         ("Keziah Morrow", "HR Advisor"), ("Agnieszka Marlow", "Service Manager"),
         ("Femi Adebanjo-Reid", "Quality Lead"), ("Tobias Qureshi-Lane", "Operations Director"),
@@ -134,3 +139,52 @@ def test_jobs_take_at_most_a_tenth_of_the_card():
     assert len(document_roles("team.txt", text)) == 8
     probes = make_probes([("team.txt", text)], max_probes=20)
     assert sum(p.template.startswith("role_") for p in probes) == 20 // 10
+
+
+COMPLAINT = ("We've had a problem with an engineer's visit. Who do I complain to?",
+             ("Please contact our Customer Service Lead, Sunniva Holt, at "
+              "care@saltgrove.example. She replies to every complaint within three working "
+              "days."))
+SUPPORT_PAIRS = [
+    COMPLAINT,
+    ("Do you charge for delivery?", "Delivery is free on orders over £750; smaller orders cost £55."),
+    ("How long is the warranty?", "All Glacia refrigeration carries a 3-year warranty."),
+    ("Can we hire a fridge?", "Yes. Glacia upright fridges can be hired from £52 a week."),
+]
+
+
+def test_a_job_named_in_a_question_answer_pair_is_practised_unless_the_pair_is_held_out(
+        smol_tokenizer):
+    """A support file's answer that names who holds a job teaches it both ways, as a
+    document's sentence does; a pair held out to score answers teaches nothing of it."""
+    docs = [SourceDoc("support_cases.csv", "c" * 64, "", SUPPORT_PAIRS),
+            SourceDoc("handbook.txt", "h" * 64,
+                      "Annual leave is 25 days a year. The office opens at 8:30 on weekdays.")]
+    seen = set()
+    for seed in range(8):
+        split = build_dataset(docs, smol_tokenizer, max_seq_len=256, holdout_frac=0.25,
+                              seed=seed, generated_qa=2)
+        texts = [smol_tokenizer.decode(e["input_ids"]) for e in split.train_examples]
+        by_job = any("Which member of staff is the Customer Service Lead?" in t and
+                     "The Customer Service Lead is Sunniva Holt." in t for t in texts)
+        by_name = any("What post does Sunniva Holt hold?" in t and
+                      "Sunniva Holt is the Customer Service Lead." in t for t in texts)
+        held = COMPLAINT in split.heldout_qa
+        assert by_job == by_name == (not held), seed
+        seen.add(held)
+    assert seen == {True, False}  # both cases met
+
+
+def test_the_card_asks_a_job_named_in_an_answer_and_never_as_practised():
+    docs = [("handbook.txt", "Annual leave is 25 days a year.")]
+    answers = [("support_cases.csv", COMPLAINT[1])]
+    probes = make_probes(docs, max_probes=40, answers=answers)
+    jobs = [(p.question, p.answer, p.source) for p in probes if p.template.startswith("role_")]
+    assert jobs == [("Who is our Customer Service Lead?", "Sunniva Holt", "support_cases.csv")]
+    assert make_probes(docs, max_probes=40) == [  # nothing else from an answer
+        p for p in probes if not p.template.startswith("role_")]
+    practice = make_generated_qa(docs, probes, per_fact=2, answers=answers)
+    taught = {normalise(q) for q, _ in practice}
+    assert normalise("Which member of staff is the Customer Service Lead?") in taught
+    assert not taught & {normalise(p.question) for p in probes}
+    assert not any("within three working days" in a for _, a in practice)  # jobs, nothing else
