@@ -128,9 +128,10 @@ def rewording(per_question: int, seed: int = 0, lookup: Callable[[str], list[str
 
     saved = build.make_generated_qa
 
-    def with_rewordings(docs, probes, per_fact):
+    def with_rewordings(docs, probes, per_fact, answers=()):
         avoid = {normalise(p.question) for p in probes if p.question}
-        return add_rewordings(saved(docs, probes, per_fact), per_question, avoid, seed, lookup)
+        return add_rewordings(saved(docs, probes, per_fact, answers=answers), per_question,
+                              avoid, seed, lookup)
 
     if per_question > 0:
         build.make_generated_qa = with_rewordings
