@@ -22,6 +22,7 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --recipes default+lora_modules=mlp  # MLP only
     .venv/bin/python -m scripts.experiments.recall --open-book 2 \
         --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
+    .venv/bin/python -m scripts.experiments.recall --recipes default+soft_replay=true  # KL
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
     .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
 
@@ -55,6 +56,7 @@ from pathlib import Path
 import torch
 
 from app.contract.training import LORA_MODULES
+from scripts.experiments.soft_replay import base_targets, plain_samples, soft_replay
 
 _QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
 _LR1 = _QA2 | {"learning_rate": 1e-3}
@@ -108,7 +110,7 @@ RECIPES: dict[str, dict] = {
     # ... or every fact practised as the card's own facts are (no fronted or echoed question).
     "default-as-probed": _DEFAULT | {"ablate": "as_probed"},
 }
-ABLATIONS = ("fronted", "as_probed", "roles")
+ABLATIONS = ("fronted", "as_probed", "roles", "text")
 # Layers LoRA adapts besides the job's `lora_modules` (the experiment's `lora_extra`): the
 # output layer ("lm_head") or the input embedding ("embed_tokens"), which SmolLM2 ties
 # together and full fine-tuning trains (measured: freezing it cost full fine-tuning 10 of 34
@@ -144,7 +146,8 @@ FULL_TRAINS = {
 def _ablated(what: str | None):
     """The dataset builder without some practice questions, for an ablation (ABLATIONS):
     "fronted", no question in the card's forward shape; "as_probed", every fact practised
-    as a fact on the card is; "roles", nobody's job practised."""
+    as a fact on the card is; "roles", nobody's job practised; "text", no document text
+    trained as text (only the questions and answers made from it)."""
     from worker.dataset import build
 
     saved = build.training_questions
@@ -157,11 +160,15 @@ def _ablated(what: str | None):
     saved_roles = build.role_practice_of
     if what == "roles":  # nobody's job practised (worker.dataset.roles)
         build.role_practice_of = lambda docs: []
+    saved_chunks = build._chunk_examples
+    if what == "text":  # the documents reach the model only through their practice questions
+        build._chunk_examples = lambda tokenizer, chunks, held: []
     try:
         yield
     finally:
         build.training_questions = saved
         build.role_practice_of = saved_roles
+        build._chunk_examples = saved_chunks
 
 
 def default_recipe(docs: list) -> dict:
@@ -373,6 +380,7 @@ def run(
 
     from scripts.experiments.synonyms import rewording
     from worker.dataset.build import build_dataset
+    from worker.dataset.corpus import text_example
     from worker.scoring.evaluate import evaluate, probe_set_id
     from worker.training.base_model import ensure_embedded_model
     from worker.training.blend import Blend
@@ -415,6 +423,11 @@ def run(
             trains = spec.pop("full_trains", None)
             extra = spec.pop("lora_extra", None)
             embedding_lr = spec.pop("embedding_lr", None)
+            # replay against the base's distribution: true, all of it; "plain", only the
+            # passages of plain_replay (the chat answers keep their labels)
+            soft = spec.pop("soft_replay", False)
+            n_plain = spec.pop("plain_replay", 0)  # passages the base model writes, as text
+            text_repeat = spec.pop("text_repeat", 1)  # each document chunk this often a pass
             with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
@@ -438,6 +451,9 @@ def run(
 
                 split.train_examples.extend(reading_practice(
                     tokenizer, docs, split.probes, reading, spec.get("max_seq_len", 256)))
+            text = [e for e in split.train_examples if e["labels"] == e["input_ids"]]
+            split.train_examples.extend(text * (text_repeat - 1))
+            replayed: list[dict] = []
             if n_replay:
                 replay_file = models_dir / f"recall-replay-{n_replay}.json"
                 if replay_file.is_file():
@@ -445,7 +461,20 @@ def run(
                 else:
                     pairs = replay_pairs(model, tokenizer, n_replay)
                     replay_file.write_text(json.dumps(pairs))
-                split.train_examples.extend(replay_examples(tokenizer, pairs, 256))
+                replayed = replay_examples(tokenizer, pairs, 256)
+                split.train_examples.extend(replayed)
+            if n_plain:
+                plain_file = models_dir / f"recall-plain-{n_plain}-{seed}.json"
+                if plain_file.is_file():
+                    passages = json.loads(plain_file.read_text())
+                else:
+                    passages = plain_samples(model, tokenizer, n_plain, seed=seed)
+                    plain_file.write_text(json.dumps(passages))
+                plain = [text_example(ids) for ids in passages]
+                if soft == "plain":  # only the passages against the base's distribution
+                    replayed = []
+                replayed.extend(plain)
+                split.train_examples.extend(plain)
             eval_s = time.perf_counter() - started
             print(
                 f"# {name}: {split.stats['n_train_examples']} examples, "
@@ -454,6 +483,7 @@ def run(
                 file=sys.stderr,
                 flush=True,
             )
+            targets = base_targets(model, replayed) if soft else {}  # before any training
             config = TrainConfig(seed=seed, checkpoint_every=10_000, **spec)
             # The in-memory engine: the model fits, and the offload engine gives the same
             # weights (its contract), only slower.
@@ -468,7 +498,8 @@ def run(
             with (_train_only(recipe, trains), _lora_extra(extra),
                   _embedding_trained(recipe, embedding_lr)):
                 recipe.setup()
-            metrics = recipe.train()
+            with soft_replay(targets) if soft else contextlib.nullcontext():
+                metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)
             blend = Blend(model, base_state) if blending else None
