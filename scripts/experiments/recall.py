@@ -211,6 +211,10 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("full_trains is a setting of full fine-tuning (method=full)")
     if "embedding_lr" in spec and spec.get("method", "lora") != "lora":
         raise ValueError("embedding_lr is a setting of LoRA (full fine-tuning trains it anyway)")
+    if spec.get("soft_replay") not in (None, True, False, "plain"):
+        raise ValueError("soft_replay is true, false or plain")
+    if spec.get("soft_replay") == "plain" and not spec.get("plain_replay"):
+        raise ValueError("soft_replay=plain anchors the passages of plain_replay=N: name N")
     return spec
 
 

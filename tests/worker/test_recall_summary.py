@@ -136,3 +136,26 @@ def test_embedding_lr_trains_the_shared_embedding_beside_the_adapter_at_its_own_
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in recipe.model.named_parameters())
     assert "_build_engine" not in vars(recipe)  # the class's own again
     recipe.cleanup(remove_checkpoint=True)
+
+
+def test_soft_replay_names_what_it_anchors():
+    from scripts.experiments.recall import _known
+
+    assert _known("default+soft_replay=true") and _known("default+plain_replay=16+soft_replay=plain")
+    assert not _known("default+soft_replay=plain") and not _known("default+soft_replay=yes")
+
+
+def test_the_text_ablation_leaves_only_the_questions(tmp_path, smol_tokenizer):
+    from scripts.experiments.recall import _ablated, load_corpus
+    from worker.dataset.build import build_dataset
+
+    docs = load_corpus(tmp_path, "fixture")
+
+    def texts() -> int:
+        split = build_dataset(docs, smol_tokenizer, generated_qa=2)
+        assert split.stats["n_train_generated_qa"] > 0
+        return sum(e["labels"] == e["input_ids"] for e in split.train_examples)
+
+    with _ablated("text"):
+        assert texts() == 0
+    assert texts() > 0  # and back after it
