@@ -171,6 +171,16 @@ def _ablated(what: str | None):
         build._chunk_examples = saved_chunks
 
 
+def _cached(path: Path, make, *args, **kwargs):
+    """What `make(*args, **kwargs)` returns, kept as JSON at `path` and read from there after the first run
+    (the base model's replayed answers and passages are the same for every recipe)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    value = make(*args, **kwargs)
+    path.write_text(json.dumps(value))
+    return value
+
+
 def default_recipe(docs: list) -> dict:
     """What the Train button would use for this corpus (app.contract.training)."""
     from app.contract.training import default_params
@@ -459,21 +469,13 @@ def run(
             split.train_examples.extend(text * (text_repeat - 1))
             replayed: list[dict] = []
             if n_replay:
-                replay_file = models_dir / f"recall-replay-{n_replay}.json"
-                if replay_file.is_file():
-                    pairs = [tuple(p) for p in json.loads(replay_file.read_text())]
-                else:
-                    pairs = replay_pairs(model, tokenizer, n_replay)
-                    replay_file.write_text(json.dumps(pairs))
+                pairs = [tuple(p) for p in _cached(models_dir / f"recall-replay-{n_replay}.json",
+                                                   replay_pairs, model, tokenizer, n_replay)]
                 replayed = replay_examples(tokenizer, pairs, 256)
                 split.train_examples.extend(replayed)
             if n_plain:
-                plain_file = models_dir / f"recall-plain-{n_plain}-{seed}.json"
-                if plain_file.is_file():
-                    passages = json.loads(plain_file.read_text())
-                else:
-                    passages = plain_samples(model, tokenizer, n_plain, seed=seed)
-                    plain_file.write_text(json.dumps(passages))
+                passages = _cached(models_dir / f"recall-plain-{n_plain}-{seed}.json",
+                                   plain_samples, model, tokenizer, n_plain, seed=seed)
                 plain = [text_example(ids) for ids in passages]
                 if soft == "plain":  # only the passages against the base's distribution
                     replayed = []
