@@ -465,21 +465,20 @@ def run(
 
                 split.train_examples.extend(reading_practice(
                     tokenizer, docs, split.probes, reading, spec.get("max_seq_len", 256)))
-            text = [e for e in split.train_examples if e["labels"] == e["input_ids"]]
-            split.train_examples.extend(text * (text_repeat - 1))
+            if text_repeat > 1:  # the document chunks: the examples with a loss on every token
+                text = [e for e in split.train_examples if e["labels"] == e["input_ids"]]
+                split.train_examples.extend(text * (text_repeat - 1))
             replayed: list[dict] = []
             if n_replay:
                 pairs = [tuple(p) for p in _cached(models_dir / f"recall-replay-{n_replay}.json",
                                                    replay_pairs, model, tokenizer, n_replay)]
                 replayed = replay_examples(tokenizer, pairs, 256)
                 split.train_examples.extend(replayed)
+            plain: list[dict] = []
             if n_plain:
                 passages = _cached(models_dir / f"recall-plain-{n_plain}-{seed}.json",
                                    plain_samples, model, tokenizer, n_plain, seed=seed)
                 plain = [text_example(ids) for ids in passages]
-                if soft == "plain":  # only the passages against the base's distribution
-                    replayed = []
-                replayed.extend(plain)
                 split.train_examples.extend(plain)
             eval_s = time.perf_counter() - started
             print(
@@ -489,7 +488,9 @@ def run(
                 file=sys.stderr,
                 flush=True,
             )
-            targets = base_targets(model, replayed) if soft else {}  # before any training
+            # before any training; "plain" anchors only the passages
+            anchored = plain if soft == "plain" else replayed + plain
+            targets = base_targets(model, anchored) if soft else {}
             config = TrainConfig(seed=seed, checkpoint_every=10_000, **spec)
             # The in-memory engine: the model fits, and the offload engine gives the same
             # weights (its contract), only slower.
