@@ -23,6 +23,8 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --open-book 2 \
         --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
     .venv/bin/python -m scripts.experiments.recall --recipes default+soft_replay=true  # KL
+    .venv/bin/python -m scripts.experiments.recall --recipes default+fact_weight=4  # facts x4
+    .venv/bin/python -m scripts.experiments.recall --recipes default+text_shuffle=2  # reordered
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
     .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
 
@@ -56,7 +58,9 @@ from pathlib import Path
 import torch
 
 from app.contract.training import LORA_MODULES
+from scripts.experiments.fact_weight import fact_answers, fact_weights
 from scripts.experiments.soft_replay import base_targets, plain_samples, soft_replay
+from scripts.experiments.text_shuffle import shuffled_copies
 
 _QA2 = {"generated_qa": 2, "method": "lora", "epochs": 4}  # 2 practice questions per fact
 _LR1 = _QA2 | {"learning_rate": 1e-3}
@@ -225,6 +229,8 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("soft_replay is true, false or plain")
     if spec.get("soft_replay") == "plain" and not spec.get("plain_replay"):
         raise ValueError("soft_replay=plain anchors the passages of plain_replay=N: name N")
+    if not isinstance(spec.get("fact_weight", 1), (int, float)) or spec.get("fact_weight", 1) <= 0:
+        raise ValueError("fact_weight is a positive number (each fact token's share of the loss)")
     return spec
 
 
@@ -442,6 +448,8 @@ def run(
             soft = spec.pop("soft_replay", False)
             n_plain = spec.pop("plain_replay", 0)  # passages the base model writes, as text
             text_repeat = spec.pop("text_repeat", 1)  # each document chunk this often a pass
+            fact_weight = spec.pop("fact_weight", 1)  # a fact token's loss counts this often
+            text_shuffle = spec.pop("text_shuffle", 0)  # more copies, sentences reordered
             with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
@@ -465,9 +473,10 @@ def run(
 
                 split.train_examples.extend(reading_practice(
                     tokenizer, docs, split.probes, reading, spec.get("max_seq_len", 256)))
-            if text_repeat > 1:  # the document chunks: the examples with a loss on every token
+            if text_repeat > 1 or text_shuffle:  # the document chunks: a loss on every token
                 text = [e for e in split.train_examples if e["labels"] == e["input_ids"]]
-                split.train_examples.extend(text * (text_repeat - 1))
+                split.train_examples.extend(text * (text_repeat - 1) + shuffled_copies(
+                    tokenizer, text, text_shuffle, seed, spec.get("max_seq_len", 256)))
             replayed: list[dict] = []
             if n_replay:
                 pairs = [tuple(p) for p in _cached(models_dir / f"recall-replay-{n_replay}.json",
@@ -491,6 +500,9 @@ def run(
             # before any training; "plain" anchors only the passages
             anchored = plain if soft == "plain" else replayed + plain
             targets = base_targets(model, anchored) if soft else {}
+            weights = {} if fact_weight == 1 else fact_weights(
+                tokenizer, split.train_examples,
+                fact_answers([(d.name, d.text) for d in docs]), fact_weight)
             config = TrainConfig(seed=seed, checkpoint_every=10_000, **spec)
             # The in-memory engine: the model fits, and the offload engine gives the same
             # weights (its contract), only slower.
@@ -505,7 +517,7 @@ def run(
             with (_train_only(recipe, trains), _lora_extra(extra),
                   _embedding_trained(recipe, embedding_lr)):
                 recipe.setup()
-            with soft_replay(targets) if soft else contextlib.nullcontext():
+            with soft_replay(targets, weights) if soft or weights else contextlib.nullcontext():
                 metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)

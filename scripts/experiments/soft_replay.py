@@ -11,7 +11,8 @@ without Forgetting (Li & Hoiem 2016) and RLHF's KL term use, up to a constant. E
 else about training is the recipe's own.
 
 The base model's distribution of each replayed example is read once, before training
-(`base_targets`), so it serves LoRA and full fine-tuning alike.
+(`base_targets`), so it serves LoRA and full fine-tuning alike. The same loss takes per-token
+weights for the other rows (scripts/experiments/fact_weight.py), so the two combine.
 """
 
 from __future__ import annotations
@@ -46,19 +47,22 @@ def base_targets(model, replayed: list[dict]) -> dict[tuple, tuple[torch.Tensor,
 
 
 @contextlib.contextmanager
-def soft_replay(targets: dict[tuple, tuple[torch.Tensor, torch.Tensor]]):
+def soft_replay(targets: dict[tuple, tuple[torch.Tensor, torch.Tensor]],
+                weights: dict[tuple, torch.Tensor] | None = None):
     """worker.training.engines.lm_loss_sum with the rows that are replayed examples (keys
     of `targets`, base_targets') scored against the base model's distribution: the
     cross-entropy to it, which is the KL divergence from it plus a constant; other rows by
-    their labels, as before."""
+    their labels, as before, each label's cross-entropy times its weight where `weights`
+    (by the row's token ids: a weight per label the row predicts, in order) names the row."""
     from worker.training import engines
 
     saved = engines.lm_loss_sum
+    weights = weights or {}
 
     def loss_sum(model, batch):
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
         rows = [tuple(ids[r, : int(mask[r].sum())].tolist()) for r in range(ids.size(0))]
-        if not any(key in targets for key in rows):
+        if not any(key in targets or key in weights for key in rows):
             return saved(model, batch)
         keep = engines.predicting(labels)
         logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits.float()
@@ -72,8 +76,8 @@ def soft_replay(targets: dict[tuple, tuple[torch.Tensor, torch.Tensor]]):
                 top, probs = targets[key]
                 total = total - (probs * log_probs[at : at + n].gather(-1, top)).sum()
             else:
-                total = total + F.nll_loss(log_probs[at : at + n], hard[at : at + n],
-                                           reduction="sum")
+                nll = F.nll_loss(log_probs[at : at + n], hard[at : at + n], reduction="none")
+                total = total + (nll * weights[key] if key in weights else nll).sum()
             at += n
         return total
 

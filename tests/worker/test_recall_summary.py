@@ -145,6 +145,13 @@ def test_soft_replay_names_what_it_anchors():
     assert not _known("default+soft_replay=plain") and not _known("default+soft_replay=yes")
 
 
+def test_fact_weight_is_a_positive_number():
+    from scripts.experiments.recall import _known
+
+    assert _known("default+fact_weight=4") and _known("default+fact_weight=2.5+soft_replay=true")
+    assert not _known("default+fact_weight=0") and not _known("default+fact_weight=heavy")
+
+
 def test_the_text_ablation_leaves_only_the_questions(tmp_path, smol_tokenizer):
     from scripts.experiments.recall import _ablated, load_corpus
     from worker.dataset.build import build_dataset
