@@ -25,6 +25,7 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --recipes default+soft_replay=true  # KL
     .venv/bin/python -m scripts.experiments.recall --recipes default+fact_weight=4  # facts x4
     .venv/bin/python -m scripts.experiments.recall --recipes default+text_shuffle=2  # reordered
+    .venv/bin/python -m scripts.experiments.recall --recipes default+quote=true  # quoting answers
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
     .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
 
@@ -59,6 +60,7 @@ import torch
 
 from app.contract.training import LORA_MODULES
 from scripts.experiments.fact_weight import fact_answers, fact_weights
+from scripts.experiments.quoted import quoting
 from scripts.experiments.soft_replay import base_targets, plain_samples, soft_replay
 from scripts.experiments.text_shuffle import shuffled_copies
 
@@ -229,6 +231,8 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("soft_replay is true, false or plain")
     if spec.get("soft_replay") == "plain" and not spec.get("plain_replay"):
         raise ValueError("soft_replay=plain anchors the passages of plain_replay=N: name N")
+    if spec.get("quote") not in (None, True, False):
+        raise ValueError("quote is true or false")
     if not isinstance(spec.get("fact_weight", 1), (int, float)) or spec.get("fact_weight", 1) <= 0:
         raise ValueError("fact_weight is a positive number (each fact token's share of the loss)")
     return spec
@@ -450,7 +454,8 @@ def run(
             text_repeat = spec.pop("text_repeat", 1)  # each document chunk this often a pass
             fact_weight = spec.pop("fact_weight", 1)  # a fact token's loss counts this often
             text_shuffle = spec.pop("text_shuffle", 0)  # more copies, sentences reordered
-            with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed):
+            quote = spec.pop("quote", False)  # practice answers quote their document
+            with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed), quoting(quote):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
                 )
