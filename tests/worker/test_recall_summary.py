@@ -166,3 +166,32 @@ def test_the_text_ablation_leaves_only_the_questions(tmp_path, smol_tokenizer):
     with _ablated("text"):
         assert texts() == 0
     assert texts() > 0  # and back after it
+
+
+def test_lora_plus_steps_the_b_matrices_faster_than_the_a_matrices(tiny_model, tmp_path):
+    import copy
+
+    from scripts.experiments.recall import _known, _lora_plus
+    from worker.training.recipe import EngineOptions, FineTuneRecipe, TrainConfig
+
+    assert _known("default+lora_plus=16")
+    assert not _known("default-qa4-full-1e-4+lora_plus=16") and not _known("default+lora_plus=x")
+    model = copy.deepcopy(tiny_model)
+    example = {"input_ids": list(range(10, 26)), "labels": list(range(10, 26))}
+    config = TrainConfig(epochs=1, learning_rate=1e-3, max_seq_len=32, batch_size=1,
+                         checkpoint_every=100)
+    recipe = FineTuneRecipe(model, [example] * 3, config, tmp_path, pad_token_id=0,
+                            engine=EngineOptions(kind="memory"))
+    with _lora_plus(recipe, 16):
+        recipe.setup()
+    names = {id(p): n for n, p in recipe.model.named_parameters()}
+    groups = recipe.engine.optimizer.param_groups
+    by_lr = {g["initial_lr"]: {"lora_B" in names[id(p)] for p in g["params"]} for g in groups
+             if g["params"]}
+    assert by_lr == {1e-3: {False}, 1.6e-2: {True}}
+    assert sum(len(g["params"]) for g in groups) == sum(
+        1 for p in recipe.model.parameters() if p.requires_grad)
+    recipe.train()
+    assert groups[-1]["lr"] < 1.6e-2  # on the recipe's decay
+    assert "_build_engine" not in vars(recipe)
+    recipe.cleanup(remove_checkpoint=True)
