@@ -282,23 +282,32 @@ def _embedding_trained(recipe, lr: float | None):
     adapter's warm-up and decay (nothing changes without `lr`)."""
 
     def with_embedding(build):
-        from worker.training.engines import warmup_linear_decay
-
         weight = recipe.model.get_input_embeddings().weight
         weight.requires_grad_(True)
         engine = build()
-        optimizer = engine.optimizer
-        group = optimizer.param_groups[0]
-        group["params"] = [p for p in group["params"] if p is not weight]
-        optimizer.add_param_group({"params": [weight], "weight_decay": group["weight_decay"],
-                                   "lr": lr, "initial_lr": lr})
-        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_linear_decay(recipe.total_steps,
-                                           round(recipe.config.warmup_ratio * recipe.total_steps))
-        )
-        return engine
+        return _own_group(recipe, engine, {id(weight)}, lambda recipe_lr: lr)
 
     return _building_engine_with(recipe, with_embedding if lr is not None else None)
+
+
+def _own_group(recipe, engine, ids: set[int], lr_of):
+    """The engine with the parameters whose id() is in `ids` moved from its first optimizer
+    group into one of their own, at `lr_of(the recipe's learning rate)`, and a new schedule
+    (the recipe's warm-up and decay) over every group."""
+    from worker.training.engines import warmup_linear_decay
+
+    optimizer = engine.optimizer
+    group = optimizer.param_groups[0]
+    moved = [p for p in group["params"] if id(p) in ids]
+    group["params"] = [p for p in group["params"] if id(p) not in ids]
+    lr = lr_of(group["initial_lr"])
+    optimizer.add_param_group({"params": moved, "weight_decay": group["weight_decay"],
+                               "lr": lr, "initial_lr": lr})
+    engine.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, warmup_linear_decay(recipe.total_steps,
+                                       round(recipe.config.warmup_ratio * recipe.total_steps))
+    )
+    return engine
 
 
 def _lora_plus(recipe, ratio: float | None):
@@ -308,22 +317,8 @@ def _lora_plus(recipe, ratio: float | None):
     recipe's warm-up and decay (nothing changes without `ratio`)."""
 
     def with_faster_b(build):
-        from worker.training.engines import warmup_linear_decay
-
-        engine = build()
-        optimizer = engine.optimizer
-        group = optimizer.param_groups[0]
-        b_ids = {id(p) for n, p in recipe.model.named_parameters() if "lora_B" in n}
-        b = [p for p in group["params"] if id(p) in b_ids]
-        group["params"] = [p for p in group["params"] if id(p) not in b_ids]
-        lr = group["lr"] * ratio
-        optimizer.add_param_group({"params": b, "weight_decay": group["weight_decay"],
-                                   "lr": lr, "initial_lr": group["initial_lr"] * ratio})
-        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_linear_decay(recipe.total_steps,
-                                           round(recipe.config.warmup_ratio * recipe.total_steps))
-        )
-        return engine
+        b = {id(p) for n, p in recipe.model.named_parameters() if "lora_B" in n}
+        return _own_group(recipe, build(), b, lambda recipe_lr: recipe_lr * ratio)
 
     return _building_engine_with(recipe, with_faster_b if ratio is not None else None)
 
