@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import sys
@@ -240,6 +241,35 @@ def recipe_spec(name: str, docs: list) -> dict:
     if not isinstance(spec.get("fact_weight", 1), (int, float)) or spec.get("fact_weight", 1) <= 0:
         raise ValueError("fact_weight is a positive number (each fact token's share of the loss)")
     return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Levers:
+    """A recipe's settings that are the experiment's own, not TrainConfig's (recipe_spec
+    checks them): what it adds to or changes in the examples, the loss and the optimizer."""
+
+    generated_qa: int = 0  # practice questions a fact (build_dataset's)
+    replay: int = 0  # the base model's answers to everyday requests, replayed
+    reading_practice: int = 0  # passages a practice question, as the chat's search finds them
+    synonyms: int = 0  # thesaurus rewordings a practice question
+    full_trains: str | None = None  # FULL_TRAINS: which weights full fine-tuning trains
+    lora_extra: str | None = None  # LORA_EXTRA: more modules for the adapter
+    embedding_lr: float | None = None  # the embedding trained beside the adapter, at this step
+    lora_plus: float | None = None  # B's learning rate over A's (LoRA+)
+    # replay against the base's distribution: true, all of it; "plain", only the passages of
+    # plain_replay (the chat answers keep their labels)
+    soft_replay: bool | str = False
+    plain_replay: int = 0  # passages the base model writes, as text
+    text_repeat: int = 1  # each document chunk this often a pass
+    text_shuffle: int = 0  # more copies of each chunk, reordered
+    fact_weight: float = 1  # a fact token's loss over the others' in its row
+    quote: bool = False  # practice answers quote their document
+    ablate: str | None = None  # ABLATIONS
+
+    @classmethod
+    def popped(cls, spec: dict) -> Levers:
+        """The levers `spec` names, taken out of it."""
+        return cls(**{f.name: spec.pop(f.name) for f in dataclasses.fields(cls) if f.name in spec})
 
 
 @contextlib.contextmanager
@@ -464,27 +494,13 @@ def run(
         for name in recipes:
             spec = recipe_spec(name, docs)
             settings = dict(spec)
-            generated = spec.pop("generated_qa")
-            n_replay = spec.pop("replay", 0)
-            reading = spec.pop("reading_practice", 0)  # passages per practice question
+            lv = Levers.popped(spec)  # what is left is TrainConfig's
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
-            rewordings = spec.pop("synonyms", 0)  # thesaurus rewordings per practice question
-            trains = spec.pop("full_trains", None)
-            extra = spec.pop("lora_extra", None)
-            embedding_lr = spec.pop("embedding_lr", None)
-            lora_plus = spec.pop("lora_plus", None)  # B's learning rate over A's (LoRA+)
-            # replay against the base's distribution: true, all of it; "plain", only the
-            # passages of plain_replay (the chat answers keep their labels)
-            soft = spec.pop("soft_replay", False)
-            n_plain = spec.pop("plain_replay", 0)  # passages the base model writes, as text
-            text_repeat = spec.pop("text_repeat", 1)  # each document chunk this often a pass
-            fact_weight = spec.pop("fact_weight", 1)  # a fact token's loss counts this often
-            text_shuffle = spec.pop("text_shuffle", 0)  # more copies, sentences reordered
-            quote = spec.pop("quote", False)  # practice answers quote their document
-            with _ablated(spec.pop("ablate", None)), rewording(rewordings, seed), quoting(quote):
+            with _ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote):
                 split = build_dataset(
-                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=generated, **held
+                    docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=lv.generated_qa,
+                    **held,
                 )
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
             blend_full = spec.get("method") == "full" and blending
@@ -500,25 +516,25 @@ def run(
                 before = evaluate(model, tokenizer, split) | ask(model)
                 cache_file.write_text(json.dumps(before))
             before_cache[probe_set] = before
-            if reading:  # practice in reading the passages the chat's search finds
+            if lv.reading_practice:  # practice in reading the passages the chat's search finds
                 from scripts.experiments.open_book import reading_practice
 
                 split.train_examples.extend(reading_practice(
-                    tokenizer, docs, split.probes, reading, spec.get("max_seq_len", 256)))
-            if text_repeat > 1 or text_shuffle:  # the document chunks: a loss on every token
+                    tokenizer, docs, split.probes, lv.reading_practice, spec.get("max_seq_len", 256)))
+            if lv.text_repeat > 1 or lv.text_shuffle:  # the document chunks: a loss on every token
                 text = [e for e in split.train_examples if e["labels"] == e["input_ids"]]
-                split.train_examples.extend(text * (text_repeat - 1) + shuffled_copies(
-                    tokenizer, text, text_shuffle, seed, spec.get("max_seq_len", 256)))
+                split.train_examples.extend(text * (lv.text_repeat - 1) + shuffled_copies(
+                    tokenizer, text, lv.text_shuffle, seed, spec.get("max_seq_len", 256)))
             replayed: list[dict] = []
-            if n_replay:
-                pairs = [tuple(p) for p in _cached(models_dir / f"recall-replay-{n_replay}.json",
-                                                   replay_pairs, model, tokenizer, n_replay)]
+            if lv.replay:
+                pairs = [tuple(p) for p in _cached(models_dir / f"recall-replay-{lv.replay}.json",
+                                                   replay_pairs, model, tokenizer, lv.replay)]
                 replayed = replay_examples(tokenizer, pairs, 256)
                 split.train_examples.extend(replayed)
             plain: list[dict] = []
-            if n_plain:
-                passages = _cached(models_dir / f"recall-plain-{n_plain}-{seed}.json",
-                                   plain_samples, model, tokenizer, n_plain, seed=seed)
+            if lv.plain_replay:
+                passages = _cached(models_dir / f"recall-plain-{lv.plain_replay}-{seed}.json",
+                                   plain_samples, model, tokenizer, lv.plain_replay, seed=seed)
                 plain = [text_example(ids) for ids in passages]
                 split.train_examples.extend(plain)
             eval_s = time.perf_counter() - started
@@ -530,11 +546,11 @@ def run(
                 flush=True,
             )
             # before any training; "plain" anchors only the passages
-            anchored = plain if soft == "plain" else replayed + plain
-            targets = base_targets(model, anchored) if soft else {}
-            weights = {} if fact_weight == 1 else fact_weights(
+            anchored = plain if lv.soft_replay == "plain" else replayed + plain
+            targets = base_targets(model, anchored) if lv.soft_replay else {}
+            weights = {} if lv.fact_weight == 1 else fact_weights(
                 tokenizer, split.train_examples,
-                fact_answers([(d.name, d.text) for d in docs]), fact_weight)
+                fact_answers([(d.name, d.text) for d in docs]), lv.fact_weight)
             config = TrainConfig(seed=seed, checkpoint_every=10_000, **spec)
             # The in-memory engine: the model fits, and the offload engine gives the same
             # weights (its contract), only slower.
@@ -546,10 +562,10 @@ def run(
                 pad_token_id=pad,
                 engine=EngineOptions(kind="memory"),
             )
-            with (_train_only(recipe, trains), _lora_extra(extra),
-                  _embedding_trained(recipe, embedding_lr), _lora_plus(recipe, lora_plus)):
+            with (_train_only(recipe, lv.full_trains), _lora_extra(lv.lora_extra),
+                  _embedding_trained(recipe, lv.embedding_lr), _lora_plus(recipe, lv.lora_plus)):
                 recipe.setup()
-            with soft_replay(targets, weights) if soft or weights else contextlib.nullcontext():
+            with soft_replay(targets, weights) if targets or weights else contextlib.nullcontext():
                 metrics = recipe.train()
             model = recipe.model
             recipe.cleanup(remove_checkpoint=True)
