@@ -27,6 +27,7 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --recipes default+text_shuffle=2  # reordered
     .venv/bin/python -m scripts.experiments.recall --recipes default+quote=true  # quoting answers
     .venv/bin/python -m scripts.experiments.recall --recipes default+lora_plus=16  # LoRA+
+    .venv/bin/python -m scripts.experiments.recall --recipes default+table_cells=3  # cells x3
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
     .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
 
@@ -61,6 +62,7 @@ from pathlib import Path
 import torch
 
 from app.contract.training import LORA_MODULES
+from scripts.experiments.cells import practising_cells
 from scripts.experiments.fact_weight import fact_answers, fact_weights
 from scripts.experiments.quoted import quoting
 from scripts.experiments.soft_replay import base_targets, plain_samples, soft_replay
@@ -240,6 +242,8 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("quote is true or false")
     if not isinstance(spec.get("fact_weight", 1), (int, float)) or spec.get("fact_weight", 1) <= 0:
         raise ValueError("fact_weight is a positive number (each fact token's share of the loss)")
+    if spec.get("table_cells", 0) not in (0, 1, 2, 3):
+        raise ValueError("table_cells is 0 to 3 (wordings a table cell is practised in)")
     return spec
 
 
@@ -264,6 +268,7 @@ class Levers:
     text_shuffle: int = 0  # more copies of each chunk, reordered
     fact_weight: float = 1  # a fact token's loss over the others' in its row
     quote: bool = False  # practice answers quote their document
+    table_cells: int = 0  # wordings a table cell is practised in (scripts/experiments/cells.py)
     ablate: str | None = None  # ABLATIONS
 
     @classmethod
@@ -497,7 +502,8 @@ def run(
             lv = Levers.popped(spec)  # what is left is TrainConfig's
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
-            with _ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote):
+            with (_ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote),
+                  practising_cells(lv.table_cells)):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=lv.generated_qa,
                     **held,

@@ -234,22 +234,22 @@ def make_generated_qa(
             seen.add(key)
             out.append((question, answer))
             kept += 1
-    for question, answer in role_practice_of([*docs, *answers]):
-        key = normalise(question)
-        if key not in seen and key not in probe_questions:
-            seen.add(key)
-            out.append((question, answer))
+
+    def keep(pairs) -> None:
+        for question, answer in pairs:
+            key = normalise(question)
+            if key not in seen and key not in probe_questions:
+                seen.add(key)
+                out.append((question, answer))
+
+    keep(role_practice_of([*docs, *answers]))
     # From 3 phrasings a fact on, the other way round and the tables row by row too: a
     # model taught "A is B" does not answer "what is B?", nor a table cell it only read as
     # a line of text. Not below: at 2 a fact they taught colleagues nothing measurable and
     # cost general English (README "Making recall real").
     if per_fact < REVERSE_AND_TABLES_FROM:
         return out
-    for question, answer in _reverse_and_table_practice(docs):
-        key = normalise(question)
-        if key not in seen and key not in probe_questions:
-            seen.add(key)
-            out.append((question, answer))
+    keep(_reverse_and_table_practice(docs))
     return out
 
 
