@@ -537,15 +537,33 @@ def cell_question(header: str, key: str, value: str) -> str | None:
     return f"What is the {h} of the {key}?"
 
 
+def _singular_words(text: str) -> set[str]:
+    return {w.removesuffix("s") for w in re.findall(r"[a-z]{4,}", normalise(text))}
+
+
+def guessable(table: Table, header: str, key: str, value: str) -> bool:
+    """A cell a model answers without having learnt it: a value its column gives to more
+    rows than a fifth ("1 year" for 8 of 21 warranties: say the column's commonest value
+    and be right), or one whose words its row's name holds ("Fryers" for the "Fryhaven
+    twin-tank fryer"). A colleague looks up what they cannot guess; asked on the card, such cells
+    flattered a recipe that had learnt only the answers' shape (README "Every table cell,
+    practised": a fifth of the card's table questions right, none of a colleague's)."""
+    column = [normalise(v) for v in table.column(header)]
+    if column.count(normalise(value)) > max(1, len(column) // 5):
+        return True
+    words = _singular_words(value)
+    return bool(words) and words <= _singular_words(key)
+
+
 def table_questions(table: Table) -> list[Asked]:
-    """Each cell asked by row and column; each row found by its code and by a figure that
-    only it has."""
+    """Each cell asked by row and column, unless a guess would answer it (`guessable`);
+    each row found by its code."""
     out: list[Asked] = []
     key_noun = _header_words(table.key_header)
     for row in table.rows:
         sentence = row_text(table, row.key)
         for header, value in row.cells.items():
-            if len(normalise(value)) < 2:
+            if len(normalise(value)) < 2 or guessable(table, header, row.key, value):
                 continue
             q = cell_question(header, row.key, value)
             if q and well_formed(q, value):

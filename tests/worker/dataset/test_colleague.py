@@ -85,6 +85,30 @@ def test_table_questions_by_row_and_column_and_by_code():
     assert asked["What is the pass limit of the Pull-down?"] == "below 5 °C"
 
 
+def test_a_cell_a_guess_would_answer_is_not_asked():
+    rows = [f"Glacia fridge {n} | {400 + n} | {'1 year' if n < 3 else f'{n} years'} | Fridges"
+            for n in range(1, 11)]
+    rows[9] = "Ironmead grill | 1295 | 5 years | Grills"
+    [table] = find_tables("products.xlsx", "Product | Price | Warranty | Category\n"
+                          + "\n".join(rows) + "\n")
+    asked = {a.question: a.answer for a in table_questions(table)}
+    # Every price differs: each is asked.
+    assert sum(q.startswith("What is the price") for q in asked) == 10
+    # "1 year" is two warranties of ten, not more than a fifth: asked. "Fridges" is nine of
+    # ten categories, and the rows' names say it anyway.
+    assert asked["What is the warranty of the Glacia fridge 1?"] == "1 year"
+    assert asked["What is the warranty of the Glacia fridge 3?"] == "3 years"
+    assert not any("category of the Glacia" in q for q in asked)
+    # "Grills" is held by one row only, but its name says it: a guess, not a lookup.
+    assert "What is the category of the Ironmead grill?" not in asked
+    assert asked["What is the warranty of the Ironmead grill?"] == "5 years"
+    [table] = find_tables("products.xlsx", "Product | Warranty\n" + "\n".join(
+        f"Bolt {n} | {'1 year' if n < 4 else f'{n} years'}" for n in range(1, 11)) + "\n")
+    warranties = {q: a for q, a in ((a.question, a.answer) for a in table_questions(table))}
+    assert "1 year" not in warranties.values()  # three of ten: say "1 year" and be right
+    assert warranties["What is the warranty of the Bolt 4?"] == "4 years"
+
+
 def test_table_practice_is_worded_apart_from_the_card():
     [table] = find_tables("sheet.docx", PIPE)
     card = {normalise(a.question) for a in table_questions(table)}
