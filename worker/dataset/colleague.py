@@ -545,9 +545,9 @@ def guessable(table: Table, header: str, key: str, value: str) -> bool:
     """A cell a model answers without having learnt it: a value its column gives to more
     rows than a fifth ("1 year" for 8 of 21 warranties: say the column's commonest value
     and be right), or one whose words its row's name holds ("Fryers" for the "Fryhaven
-    twin-tank fryer"). A colleague looks up what they cannot guess; asked on the card, such cells
+    twin-tank fryer"). A colleague looks up what they cannot guess; on the card such cells
     flattered a recipe that had learnt only the answers' shape (README "Every table cell,
-    practised": a fifth of the card's table questions right, none of a colleague's)."""
+    practised": 4 of the 5 table questions it got right, where colleagues got 0 of 15)."""
     column = [normalise(v) for v in table.column(header)]
     if column.count(normalise(value)) > max(1, len(column) // 5):
         return True
