@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 
-from worker.dataset.colleague import _header_words
+from worker.dataset.colleague import _header_words, header_shape
 from worker.dataset.probes import normalise
-from worker.dataset.questions import _PREPOSITIONS, _lemma, title_of
+from worker.dataset.questions import title_of
 from worker.dataset.tables import Row, Table, find_tables
 
 
@@ -65,12 +65,13 @@ def _is_value(value: str) -> bool:
 
 
 def _cell(title: str, header: str, key: str, value: str) -> list[tuple[str, str]]:
-    """One cell in up to three wordings, by the shape of its column's header."""
-    h = _header_words(header)
-    words = h.split()
-    if not words:
+    """One cell in up to three wordings, by how its column's header reads
+    (worker.dataset.colleague.header_shape)."""
+    shape = header_shape(header)
+    if shape is None:
         return []
-    if words[0] in _PREPOSITIONS:  # "In stock": "The Vantora core probe: 29 in stock."
+    kind, h = shape
+    if kind == "preposition":  # "In stock": "The Vantora core probe: 29 in stock."
         answer = f"The {key}: {value} {h}."
         if any(c.isdigit() for c in value):
             return [(q, answer) for q in (
@@ -79,9 +80,9 @@ def _cell(title: str, header: str, key: str, value: str) -> list[tuple[str, str]
                 f"In {title}, how many of the {key} are listed as {h}?",
             )]
         return [(q, answer) for q in _listed(title, header, key)]
-    if len(words) > 1 and _lemma(words[0]) is not None:  # "Applies to"
+    if kind == "verb":  # "Applies to"
         return [(q, f"The {key} {h} {value}.") for q in _listed(title, header, key)]
-    if words[-1] in ("for", "by", "to", "with") or words[0].endswith("ed"):  # "Used for"
+    if kind == "participle":  # "Used for"
         return [(q, f"The {key} is {h} {value}.") for q in _listed(title, header, key)]
     return _noun(title, h, key, value)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -519,20 +520,36 @@ def _header_words(header: str) -> str:
     return _without_asides(header).strip().lower()  # "Weight (kg)" -> "weight"
 
 
-def cell_question(header: str, key: str, value: str) -> str | None:
-    """ "Weight" of "Torque Sprocket" -> "What is the weight of the Torque Sprocket?"."""
+def header_shape(header: str) -> tuple[str, str] | None:
+    """How a column's header reads, and its words without asides: "preposition" ("In
+    stock"), "verb" ("Applies to"), "participle" ("Used for"), or "noun" ("Weight (kg)" ->
+    "weight"); None for a header of no words. The card and the recall experiment's cell
+    practice (scripts/experiments/cells.py) word a cell by it."""
     h = _header_words(header)
     words = h.split()
     if not words:
         return None
-    if words[0] in _PREPOSITIONS:  # "In stock"
-        if any(c.isdigit() for c in value):
-            return f"How many of the {key} are {h}?"
+    if words[0] in _PREPOSITIONS:
+        return "preposition", h
+    if len(words) > 1 and _lemma(words[0]) is not None:
+        return "verb", h
+    if words[-1] in ("for", "by", "to", "with") or words[0].endswith("ed"):
+        return "participle", h
+    return "noun", h
+
+
+def cell_question(header: str, key: str, value: str) -> str | None:
+    """ "Weight" of "Torque Sprocket" -> "What is the weight of the Torque Sprocket?"."""
+    shape = header_shape(header)
+    if shape is None:
         return None
-    verb = _lemma(words[0]) if len(words) > 1 else None
-    if verb is not None:  # "Applies to" -> "What does the Gas tightness apply to?"
-        return f"What does the {key} {' '.join([verb, *words[1:]])}?"
-    if words[-1] in ("for", "by", "to", "with") or words[0].endswith("ed"):  # "Used for"
+    kind, h = shape
+    if kind == "preposition":  # "In stock"
+        return f"How many of the {key} are {h}?" if any(c.isdigit() for c in value) else None
+    if kind == "verb":  # "Applies to" -> "What does the Gas tightness apply to?"
+        verb, *rest = h.split()
+        return f"What does the {key} {' '.join([_lemma(verb), *rest])}?"
+    if kind == "participle":  # "Used for"
         return f"What is the {key} {h}?"
     return f"What is the {h} of the {key}?"
 
@@ -541,18 +558,27 @@ def _singular_words(text: str) -> set[str]:
     return {w.removesuffix("s") for w in re.findall(r"[a-z]{4,}", normalise(text))}
 
 
-def guessable(table: Table, header: str, key: str, value: str) -> bool:
-    """A cell a model answers without having learnt it: a value its column gives to more
-    rows than a fifth ("1 year" for 8 of 21 warranties: say the column's commonest value
-    and be right), or one whose words its row's name holds ("Fryers" for the "Fryhaven
-    twin-tank fryer"). A colleague looks up what they cannot guess; on the card such cells
-    flattered a recipe that had learnt only the answers' shape (README "Every table cell,
-    practised": 4 of the 5 table questions it got right, where colleagues got 0 of 15)."""
-    column = [normalise(v) for v in table.column(header)]
-    if column.count(normalise(value)) > max(1, len(column) // 5):
-        return True
-    words = _singular_words(value)
-    return bool(words) and words <= _singular_words(key)
+def guessable(table: Table) -> set[tuple[str, str]]:
+    """(row key, header) of the cells a model answers without having learnt them: a value
+    its column gives to more rows than a fifth ("1 year" for 8 of 21 warranties: say the
+    column's commonest value and be right), or one whose words its row's name holds
+    ("Fryers" for the "Fryhaven twin-tank fryer"). A colleague looks up what they cannot
+    guess; on the card such cells flattered a recipe that had learnt only the answers' shape
+    (README "Every table cell, practised": 4 of the 5 table questions it got right, where
+    colleagues got 0 of 15). Each column counted once: a spreadsheet may have thousands of
+    rows."""
+    out: set[tuple[str, str]] = set()
+    for header in {h for row in table.rows for h in row.cells}:
+        counts = Counter(normalise(v) for v in table.column(header))
+        most = max(1, sum(counts.values()) // 5)
+        for row in table.rows:
+            value = row.cells.get(header)
+            if value is None:
+                continue
+            words = _singular_words(value)
+            if counts[normalise(value)] > most or (words and words <= _singular_words(row.key)):
+                out.add((row.key, header))
+    return out
 
 
 def table_questions(table: Table) -> list[Asked]:
@@ -560,10 +586,11 @@ def table_questions(table: Table) -> list[Asked]:
     each row found by its code."""
     out: list[Asked] = []
     key_noun = _header_words(table.key_header)
+    guessed = guessable(table)
     for row in table.rows:
         sentence = row_text(table, row.key)
         for header, value in row.cells.items():
-            if len(normalise(value)) < 2 or guessable(table, header, row.key, value):
+            if len(normalise(value)) < 2 or (row.key, header) in guessed:
                 continue
             q = cell_question(header, row.key, value)
             if q and well_formed(q, value):
