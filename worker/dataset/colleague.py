@@ -8,10 +8,7 @@ QUESTION_KINDS):
   lifetime warranty", the colleague asks "What has a lifetime warranty?" (a model trained
   on A-is-B does not learn B-is-A: Berglund et al. 2023, "The Reversal Curse");
 - "table": a cell looked up by its row and column ("What is the weight of the Torque
-  Sprocket?"), a coded row both ways ("Which product is NW-5820?", "What is the code for
-  the Quiet Hinge?"), or a row by what it is for ("Which tool is used for booking a
-  desk?"), each row named as a colleague names it ("the limescale descaler", not "the
-  Limescale descaler 5L").
+  Sprocket?"), or a row found by its code ("Which product has the code NW-5820?").
 
 A question that is not well formed is not asked (None), rather than asked badly: the card
 counts only questions a person could have put. Pure Python, templates only, no model.
@@ -47,7 +44,7 @@ from worker.dataset.questions import (
     wh_phrase,
 )
 from worker.dataset.roles import Role, document_roles, who_is, whose_job
-from worker.dataset.tables import Row, Table, find_tables
+from worker.dataset.tables import Table, find_tables
 
 OTHER, REVERSE, TABLE = "other words", "reverse", "table"
 _JOBS = "jobs"  # the reverse questions about who holds which job: a pool of their own
@@ -509,8 +506,9 @@ def role_questions(r: Role) -> list[Asked]:
 # Tables
 
 
-def row_text(table: Table, row: Row) -> str:
+def row_text(table: Table, key: str) -> str:
     """A row written out as the card shows where a fact comes from."""
+    row = next(r for r in table.rows if r.key == key)
     parts = [f"{table.key_header}: {row.key}"]
     if row.code:
         parts.append(f"{table.code_header}: {row.code}")
@@ -540,31 +538,8 @@ def header_shape(header: str) -> tuple[str, str] | None:
     return "noun", h
 
 
-# A column a spreadsheet commonly has, asked by what it means rather than by its header's
-# word, as colleagues ask it ("How heavy is ...?", not "What is the weight of ...?"): a
-# recipe that practises a cell by its header (scripts/experiments/cells.py) should not find
-# the card's question in its own words.
-_MEANING_OF: dict[str, str] = {
-    **dict.fromkeys(("price", "cost", "list price", "unit price", "rrp"),
-                    "How much does the {} cost?"),
-    **dict.fromkeys(("in stock", "stock", "quantity", "qty", "on hand", "stock level"),
-                    "How many of the {} have we got?"),
-    "weight": "How heavy is the {}?",
-    **dict.fromkeys(("warranty", "guarantee"), "How long is the {} guaranteed?"),
-    **dict.fromkeys(("bin", "location", "shelf", "aisle", "bay"), "Where is the {} kept?"),
-    **dict.fromkeys(("time", "duration", "turnaround"), "How long does the {} take?"),
-    **dict.fromkeys(("capacity", "volume"), "How much does the {} hold?"),
-    "used for": "What do we use the {} for?",
-}  # fmt: skip
-
-
 def cell_question(header: str, key: str, value: str) -> str | None:
-    """ "Weight" of "Torque Sprocket" -> "How heavy is the Torque Sprocket?" (a common
-    column, by what it means: `_MEANING_OF`); "Pass limit" of "Leak check" -> "What is the
-    pass limit of the Leak check?" (any other, by its header)."""
-    meaning = _MEANING_OF.get(_header_words(header))
-    if meaning and (not meaning.startswith("How many") or any(c.isdigit() for c in value)):
-        return meaning.format(key)
+    """ "Weight" of "Torque Sprocket" -> "What is the weight of the Torque Sprocket?"."""
     shape = header_shape(header)
     if shape is None:
         return None
@@ -583,27 +558,17 @@ def _singular_words(text: str) -> set[str]:
     return {w.removesuffix("s") for w in re.findall(r"[a-z]{4,}", normalise(text))}
 
 
-# Columns that say what kind of thing a row is: its name says it too ("Refrigeration" for
-# the "Glacia blast chiller"), and no colleague of three companies asked one (0 of 27
-# table questions).
-_CLASS_COLUMNS = {"category", "type", "group", "class", "family", "department", "section"}
-
-
 def guessable(table: Table) -> set[tuple[str, str]]:
     """(row key, header) of the cells a model answers without having learnt them: a value
     its column gives to more rows than a fifth ("1 year" for 8 of 21 warranties: say the
-    column's commonest value and be right), one whose words its row's name holds
-    ("Fryers" for the "Fryhaven twin-tank fryer"), or a kind of thing (`_CLASS_COLUMNS`). A
-    colleague looks up what they cannot guess; on the card such cells flattered a recipe
-    that had learnt only the answers' shape (README "Every table cell, practised": 4 of the
-    5 table questions it got right, where colleagues got 0 of 15; "Table questions as
-    colleagues ask them": 3 categories of its 14). Each column counted once: a spreadsheet
-    may have thousands of rows."""
+    column's commonest value and be right), or one whose words its row's name holds
+    ("Fryers" for the "Fryhaven twin-tank fryer"). A colleague looks up what they cannot
+    guess; on the card such cells flattered a recipe that had learnt only the answers' shape
+    (README "Every table cell, practised": 4 of the 5 table questions it got right, where
+    colleagues got 0 of 15). Each column counted once: a spreadsheet may have thousands of
+    rows."""
     out: set[tuple[str, str]] = set()
-    for header in table.headers():
-        if _header_words(header) in _CLASS_COLUMNS:
-            out |= {(row.key, header) for row in table.rows if header in row.cells}
-            continue
+    for header in {h for row in table.rows for h in row.cells}:
         counts = Counter(normalise(v) for v in table.column(header))
         most = max(1, sum(counts.values()) // 5)
         for row in table.rows:
@@ -616,105 +581,24 @@ def guessable(table: Table) -> set[tuple[str, str]]:
     return out
 
 
-# Key columns whose rows are what a code means ("Meaning": "low water pressure" for W-12):
-# asked "What does code W-12 mean?", not "Which meaning has the code W-12?".
-_MEANING_KEYS = {"meaning", "description", "fault", "problem", "definition"}
-
-
-def lowercase_words(texts: Sequence[str]) -> frozenset[str]:
-    """The words the documents write in lower case ("stainless", "limescale"): a row's name
-    that starts with one is a description ("Stainless prep table"), not a brand
-    ("Fryhaven twin-tank fryer"), and a colleague writes it in lower case."""
-    return frozenset(w for t in texts for w in re.findall(r"(?<![\w-])[a-z][a-z-]*", t))
-
-
-def _as_said(text: str, lowercase: frozenset[str]) -> str:
-    """ "Limescale descaler" -> "limescale descaler" where the documents write the first
-    word in lower case and the rest is lower case too; a name in title case ("Quiet
-    Hinge", "Cargo E-Bike") or a brand stays as written."""
-    first, _, rest = text.partition(" ")
-    if first[:1].isupper() and first.lower() in lowercase and rest == rest.lower():
-        return f"{first.lower()} {rest}".strip()
-    return text
-
-
-def colleague_names(table: Table, lowercase: frozenset[str] = frozenset()) -> dict[str, str]:
-    """Row key -> the row's name as a colleague says it: without what follows a comma
-    ("Fryhaven filter papers, pack of 80") or the words with figures in them ("Limescale
-    descaler 5L", "Stainless prep table 1500mm"), and in lower case where the documents write
-    its first word so (`_as_said`). A row whose short name another row shares keeps its
-    whole name ("Vantora 6-grid combi oven" beside the 10-grid one)."""
-    short: dict[str, str] = {}
-    for row in table.rows:
-        words = row.key.split(",")[0].split()
-        kept = [w for w in words if not any(c.isdigit() for c in w)] or words
-        short[row.key] = " ".join(kept)
-    counts = Counter(normalise(n) for n in short.values())
-    keys = {normalise(k) for k in short}
-    return {
-        key: _as_said(
-            name if counts[normalise(name)] == 1 and (name == key or normalise(name) not in keys)
-            else key,
-            lowercase,
-        )
-        for key, name in short.items()
-    }
-
-
-def _by_value(header: str, key_noun: str, value: str) -> str | None:
-    """A row found by a cell that names what it is for or applies to: "Which tool is used
-    for booking a desk?" ("Used for"), "Which test applies to all gas units?" ("Applies
-    to"); None for other columns (a price or a bin names no row)."""
-    shape = header_shape(header)
-    if shape is None or shape[0] not in ("verb", "participle") or not key_noun:
-        return None
-    kind, h = shape
-    return f"Which {key_noun} {'is ' if kind == 'participle' else ''}{h} {value}?"
-
-
-def table_questions(table: Table, lowercase: frozenset[str] = frozenset()) -> list[Asked]:
-    """A table looked up as colleagues look it up: each cell by its row and column, unless a
-    guess would answer it (`guessable`); a row found by a cell that names its use, where no
-    other row has that cell; a coded row's code by its name and its name by its code. Rows
-    are named as a colleague names them (`colleague_names`, with `lowercase` from
-    `lowercase_words` of the documents)."""
+def table_questions(table: Table) -> list[Asked]:
+    """Each cell asked by row and column, unless a guess would answer it (`guessable`);
+    each row found by its code."""
     out: list[Asked] = []
     key_noun = _header_words(table.key_header)
-    code_noun = _header_words(table.code_header)
     guessed = guessable(table)
-    names = colleague_names(table, lowercase)
-    unique = {h: Counter(normalise(v) for v in table.column(h)) for h in table.headers()}
     for row in table.rows:
-        name = names[row.key]
-        # The answer a reply must hold: the short name where the whole name starts with it
-        # ("Glacia blast chiller" in "Glacia blast chiller 10-tray"), else the whole name
-        # (a reply that says "Lumen 800 front light" holds no "Lumen front light").
-        found = name if normalise(row.key).startswith(normalise(name)) else row.key
-        meaning = key_noun in _MEANING_KEYS and row.code
-        # A code's row is named by its code: "the code W-12", not "the low water pressure".
-        cell_name = f"{code_noun} {row.code}" if meaning else name
-        asks: list[tuple[str | None, str, str]] = []  # (question, answer, template)
+        sentence = row_text(table, row.key)
         for header, value in row.cells.items():
-            if len(normalise(value)) < 2:
+            if len(normalise(value)) < 2 or (row.key, header) in guessed:
                 continue
-            if (row.key, header) not in guessed:
-                asks.append((cell_question(header, cell_name, value), value, "cell"))
-            if unique[header][normalise(value)] == 1:
-                q = _by_value(header, key_noun, _as_said(value, lowercase))
-                asks.append((q, found, "by_value"))
+            q = cell_question(header, row.key, value)
+            if q and well_formed(q, value):
+                out.append(Asked(TABLE, q, value, sentence, table.source, template="cell"))
         if row.code and key_noun:
-            if meaning:
-                asks.append((f"What does {code_noun} {row.code} mean?", found, "by_code"))
-                asks.append((f"Which {code_noun} means {name}?", row.code, "by_name"))
-            else:
-                asks.append((f"Which {key_noun} is {row.code}?", found, "by_code"))
-                asks.append((f"What is the {code_noun} for the {name}?", row.code, "by_name"))
-        sentence = row_text(table, row)
-        out += [
-            Asked(TABLE, q, answer, sentence, table.source, template=template)
-            for q, answer, template in asks
-            if q and well_formed(q, answer)
-        ]
+            q = f"Which {key_noun} has the {_header_words(table.code_header)} {row.code}?"
+            if well_formed(q, row.key):
+                out.append(Asked(TABLE, q, row.key, sentence, table.source, template="by_code"))
     return out
 
 
@@ -724,7 +608,7 @@ def table_practice(table: Table) -> list[tuple[str, str]]:
     title = title_of(table.source)
     out: list[tuple[str, str]] = []
     for row in table.rows:
-        whole = row_text(table, row)
+        whole = row_text(table, row.key)
         out.append((f"What does {title} give for the {row.key}?", whole))
         if row.code:
             out.append((f"Look up {row.code} in {title}.", whole))
@@ -822,7 +706,6 @@ def _question_pools(docs: list[tuple[str, str]]) -> dict[str, list[list[tuple[in
     """Per kind, per document: (position in the document, question) of every question the
     card could ask."""
     per_doc = [_candidates_for_doc(d, text) for d, (_, text) in enumerate(docs)]
-    lowercase = lowercase_words([text for _, text in docs])
     # Prompts that occur with more than one answer are ambiguous: never used.
     answers_by_prompt: dict[str, set[str]] = {}
     for sentences in per_doc:
@@ -848,7 +731,7 @@ def _question_pools(docs: list[tuple[str, str]]) -> dict[str, list[list[tuple[in
         reverse = document_reverse_questions(name, text)
         pools[REVERSE].append(reverse)
         pools[_JOBS].append(_job_questions(name, text))
-        cells = [a for t in find_tables(name, text) for a in table_questions(t, lowercase)]
+        cells = [a for t in find_tables(name, text) for a in table_questions(t)]
         # After every sentence: a position no sentence index reaches.
         pools[TABLE].append([(len(text) + k, a) for k, a in enumerate(cells)])
     return pools

@@ -38,10 +38,6 @@ class Table:
     def column(self, header: str) -> list[str]:
         return [r.cells[header] for r in self.rows if header in r.cells]
 
-    def headers(self) -> set[str]:
-        """The headers of the columns besides the key and the codes."""
-        return {h for row in self.rows for h in row.cells}
-
 
 def _is_code(value: str) -> bool:
     """Letters and digits mixed, no spaces: "NW-4471", "A12B"."""
