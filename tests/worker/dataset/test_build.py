@@ -264,3 +264,38 @@ def test_no_practice_question_reads_like_a_probe_question(smol_tokenizer):
             assert not any(question in p for p in prompts), question
         assert {t for t, _, _ in training_questions(f, probed=True)}.isdisjoint({template})
     assert not any(probe.question in p for p in prompts)
+
+
+def _skeleton(question: str) -> str:
+    """A question without its codes, articles, prepositions and question words: "What is
+    the code for the Quiet Hinge?" and "What is the code of the Quiet Hinge?" read alike."""
+    import re
+
+    small = {"a", "an", "the", "of", "for", "on", "to", "in", "at", "by", "with", "from",
+             "our", "your", "is", "are", "does", "do", "what", "which", "s"}  # fmt: skip
+    words = re.findall(r"[a-z0-9'-]+", question.casefold())
+    return " ".join(w for w in words if w not in small and not any(c.isdigit() for c in w))
+
+
+@pytest.mark.parametrize("generated_qa", [2, 3])
+def test_no_card_question_is_a_near_copy_of_a_practice_question(smol_tokenizer, generated_qa,
+                                                                  tmp_path):
+    """The fixture corpus as a job sees it: no card question is a practice question with a
+    word or a code changed. A card once asked "What is the code for the Quiet Hinge?" where
+    the training asked "What is the code of the Quiet Hinge?" (README "Table questions as
+    colleagues ask them"); the whole-question check let it through."""
+    from scripts.experiments.recall import load_corpus
+
+    docs = load_corpus(tmp_path)
+    for seed in (0, 1, 2):
+        split = build_dataset(docs, smol_tokenizer, holdout_frac=0, seed=seed,
+                              generated_qa=generated_qa)
+        practised = set()
+        for e in split.train_examples:
+            if e["labels"][0] == IGNORE_INDEX:
+                prompt = _chat_parts(smol_tokenizer, e)[0]
+                user = prompt.split("<|im_start|>user")[-1].split("<|im_end|>")[0]
+                practised.add(_skeleton(user))
+        assert len(split.probes) >= 20
+        near = [p.question for p in split.probes if _skeleton(p.question) in practised]
+        assert not near, near
