@@ -568,6 +568,7 @@ def guessable(table: Table) -> set[tuple[str, str]]:
     colleagues got 0 of 15). Each column counted once: a spreadsheet may have thousands of
     rows."""
     out: set[tuple[str, str]] = set()
+    named = {row.key: _singular_words(row.key) for row in table.rows}  # once a row
     for header in {h for row in table.rows for h in row.cells}:
         counts = Counter(normalise(v) for v in table.column(header))
         most = max(1, sum(counts.values()) // 5)
@@ -576,7 +577,7 @@ def guessable(table: Table) -> set[tuple[str, str]]:
             if value is None:
                 continue
             words = _singular_words(value)
-            if counts[normalise(value)] > most or (words and words <= _singular_words(row.key)):
+            if counts[normalise(value)] > most or (words and words <= named[row.key]):
                 out.add((row.key, header))
     return out
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -269,8 +270,6 @@ def test_no_practice_question_reads_like_a_probe_question(smol_tokenizer):
 def _skeleton(question: str) -> str:
     """A question without its codes, articles, prepositions and question words: "What is
     the code for the Quiet Hinge?" and "What is the code of the Quiet Hinge?" read alike."""
-    import re
-
     small = {"a", "an", "the", "of", "for", "on", "to", "in", "at", "by", "with", "from",
              "our", "your", "is", "are", "does", "do", "what", "which", "s"}  # fmt: skip
     words = re.findall(r"[a-z0-9'-]+", question.casefold())
