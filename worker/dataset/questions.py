@@ -239,6 +239,13 @@ def _fronted(wh: str, prefix: str, lower_first: bool = False) -> str | None:
 # Phrasings
 
 
+def _opens_aside(prefix: str, suffix: str) -> bool:
+    """A span that opens its line and is followed by a comma: "Linus Pemberton-Yau, IT
+    Manager.", "Document QP-07, revision D, ...". No verb says what it does, so no question
+    can be made around it ("Who , IT Manager?" is not one)."""
+    return len(prefix.split()) < 2 and suffix.strip()[:1] in tuple(",;:)")
+
+
 def _with_context(fact: Fact, question: str) -> str:
     return f"{fact.context} {question}" if fact.needs_context else question
 
@@ -247,7 +254,7 @@ def probe_question(fact: Fact) -> tuple[str, str]:
     """(template, question) in a held-out phrasing: fronted when possible, else in place;
     a span that is the sentence's subject is asked about with the rest of the sentence."""
     wh, prefix, suffix = wh_phrase(fact.kind, fact.answer, fact.prefix, fact.suffix)
-    if len(prefix.split()) < 2 and suffix.strip():
+    if len(prefix.split()) < 2 and suffix.strip() and not _opens_aside(prefix, suffix):
         # The span is the subject: the rest of the sentence says what it is about.
         name = re.match(r"(?:[A-Z][\w'’.-]*\s?)+", suffix.strip())
         if wh.startswith("what ") and name:  # "NW-3109 Quiet Hinge is ..."
@@ -284,7 +291,7 @@ def training_questions(fact: Fact, probed: bool) -> list[tuple[str, str, str]]:
     answer_sentence = fact.standalone
     wh, prefix, rest = wh_phrase(fact.kind, fact.answer, fact.prefix, fact.suffix)
 
-    if not (probed and probe_template in ("in_situ", "subject")):
+    if not (probed and probe_template in ("in_situ", "subject")) and not _opens_aside(prefix, rest):
         rest = rest.strip()
         gap = "" if not rest or rest[0] in ",;:)" else " "
         echo = f"{prefix} {wh}{gap}{rest}".strip()

@@ -276,16 +276,18 @@ def _skeleton(question: str) -> str:
     return " ".join(w for w in words if w not in small and not any(c.isdigit() for c in w))
 
 
+@pytest.mark.parametrize("corpus", ["fixture", "heldout", "fullsize"])
 @pytest.mark.parametrize("generated_qa", [2, 3])
 def test_no_card_question_is_a_near_copy_of_a_practice_question(smol_tokenizer, generated_qa,
-                                                                  tmp_path):
-    """The fixture corpus as a job sees it: no card question is a practice question with a
-    word or a code changed. A card once asked "What is the code for the Quiet Hinge?" where
+                                                                  corpus, tmp_path):
+    """Each calibration corpus as a job sees it: no card question is a practice question with
+    a word or a code changed. A card once asked "What is the code for the Quiet Hinge?" where
     the training asked "What is the code of the Quiet Hinge?" (README "Table questions as
-    colleagues ask them"); the whole-question check let it through."""
+    colleagues ask them"), and Saltgrove's card "Who is our IT Manager?" where the training
+    asked "Who , IT Manager?"; the whole-question check let both through."""
     from scripts.experiments.recall import load_corpus
 
-    docs = load_corpus(tmp_path)
+    docs = load_corpus(tmp_path, corpus)
     for seed in (0, 1, 2):
         split = build_dataset(docs, smol_tokenizer, holdout_frac=0, seed=seed,
                               generated_qa=generated_qa)

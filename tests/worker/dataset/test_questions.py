@@ -150,6 +150,26 @@ def test_in_place_probe_keeps_echo_out_of_training():
     assert templates == {"fill_blank", "complete", "topic"}
 
 
+@pytest.mark.parametrize(
+    ("sentence", "answer", "kind"),
+    [
+        ("Apologies: Linus Pemberton-Yau, IT Manager.", "Linus Pemberton-Yau", "name"),
+        ("Document QP-07, revision D, issued 19 January 2022.", "QP-07", "code"),
+        ("Date: 9 February 2022, 9:30, boardroom, Tollbar head office", "9 February 2022", "date"),
+    ],
+)
+def test_a_span_before_a_comma_is_not_asked_around(sentence, answer, kind):
+    """A line that names a thing and adds a note after a comma has no verb to ask with:
+    "Who , IT Manager?" was practised, and read like the card's "Who is our IT Manager?"."""
+    f = fact(sentence, answer, kind, source="minutes.txt")
+    for probed in (False, True):
+        made = training_questions(f, probed=probed)
+        assert {t for t, _, _ in made} <= {"fill_blank", "complete", "topic"}
+        assert made and all(not re.search(r"(who|what \w+|which \w+) ?,", q, re.IGNORECASE)
+                            for _, q, _ in made), made
+    assert probe_question(f)[0] != "subject"
+
+
 def test_title_of():
     assert title_of("employee_handbook.pdf") == "the employee handbook"
     assert title_of("Q3-price-list.XLSX") == "the q3 price list"
