@@ -241,6 +241,12 @@ def gives_answer(output: str, answer: str) -> bool:
     the lenient test for whether a question or prompt gives its answer away."""
     a = _answer_form(answer)
     pattern = re.escape(a).replace("%", r"(?:%|\s?per\s?cent)")
+    # A number is not a piece of a bigger one: "17" is not in "17:15", "$129" not in
+    # "$129.50", "2" not in "3.2" (a stock count was scored right from a closing time).
+    if a[:1].isdigit():
+        pattern = r"(?<!\d[.,:])" + pattern
+    if a[-1:].isdigit():
+        pattern += r"(?![.,:]\d)"
     return bool(a) and _whole_words(pattern, _folded(output))
 
 

@@ -158,6 +158,18 @@ def test_an_answer_is_given_only_with_its_percent_or_currency_sign():
     assert contains_answer("We charge a 24-hour delivery.", "€24")  # what a question gives away
 
 
+def test_a_number_is_not_given_by_a_piece_of_a_bigger_one():
+    """Scoring: a stock count of 17 was scored right from "stocked from 14:30 until 17:15"
+    (Saltgrove's card, 2026-12-06)."""
+    assert not gives_answer("It is stocked from 14:30 until 17:15.", "17")
+    assert not gives_answer("It costs $129.50 each.", "$129")
+    assert not gives_answer("Version 3.2 is current.", "2")
+    assert not gives_answer("We made 1,850 of them.", "850")
+    assert gives_answer("We have 17 in stock.", "17") and gives_answer("In stock: 17.", "17")
+    assert gives_answer("Stock: 17, reorder at 5.", "17")
+    assert gives_answer("Doors open at 9:30.", "9:30") and gives_answer("It costs $129.", "$129")
+
+
 @pytest.mark.parametrize(
     ("sentence", "prompt_end", "answer"),
     [
