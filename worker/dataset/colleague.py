@@ -125,8 +125,7 @@ def well_formed(question: str, answer: str) -> bool:
     """A question a person could have put: a question word first, one clause, a sensible
     last word, short, and not holding its own answer."""
     q = question.strip()
-    bare = _PIED_START.sub("", q)  # "At what time ...": the question word after it
-    if not q.endswith("?") or not _WH_START.match(_cap(bare)) or q.count("?") != 1:
+    if not q.endswith("?") or not _WH_START.match(q) or q.count("?") != 1:
         return False
     words = q[:-1].split()
     if not 3 <= len(words) <= _MAX_WORDS or any(ch in q for ch in ':;|_"“”()'):
@@ -157,7 +156,6 @@ _GARBLED = [
     re.compile(r"^Which\s+\w+ed\b"),
     re.compile(r"^When is .*\w+ed\?$"),
     re.compile(r"^How many \w+ is\b"),  # "How many units is our lead time 25 days?"
-    re.compile(r"\b[Hh]ow many (?:th|st|nd|rd|p)\b"),  # "28th", "43p": not a unit to count
     re.compile(r"^Which\s+\w+\s+[\d$€£]"),  # "Which sold 2,700 units?"
     # A question word straight into "and": the span was one end of a range ("Between 15
     # November and 20 December ...": "Which date and 20 December ...?").
@@ -240,12 +238,12 @@ def other_words(fact: Fact) -> Asked | None:
     template, question = probe_question(resolved)
     if template not in ("fronted", "subject"):
         # Asked in place, it is the sentence with a gap: not a colleague's question.
-        template, question = "plain", _plain_question(resolved) or _plural_fronted(resolved)
+        template, question = "plain", _plain_question(resolved)
         if question is None:
             return None
     if not _attaches(resolved):
         return None
-    question = _without_asides(_how_long(_pied_piped(question)))
+    question = _without_asides(_how_long(question))
     short = _shorten(question, fact.standalone, fact.answer)
     if short is None:
         return None
@@ -260,80 +258,6 @@ def _without_asides(question: str) -> str:
 
 
 _TIME_UNITS = r"(?:seconds|minutes|hours|days|weeks|months|years|working days|business days)"
-
-# A preposition that may go to the front with an amount's question word ("At what time does
-# the warehouse open?", "In what year was ... founded?", "After how many minutes ...?"),
-# and the words after which it may not ("apply to anything over": no colleague asks "Over
-# how many kg does the rule apply to anything?").
-_PIED = ("at", "on", "in", "from", "until", "till", "to", "by", "after", "before", "since")
-_PIED_START = re.compile(rf"^(?:{'|'.join(w.capitalize() for w in _PIED)}) (?=(?:what|how) )")
-_NOT_BEFORE_PIED = {"anything", "something", "everything", "nothing", "anyone", "everyone"}
-
-
-def _pied_piped(question: str) -> str:
-    """ "What time does the warehouse open at?" -> "At what time does the warehouse open?",
-    "What date does the holiday year run from?" -> "From what date does the holiday year
-    run?": an amount's question may not end in a preposition (well_formed), a colleague puts
-    it in front. "How many days ... in/within/for/every?" stays for _how_long."""
-    m = re.match(rf"^({'|'.join(w.strip() for w in _AMOUNT_WH)}|How many|How much)\b(.*) (\w+) (\w+)\?$",
-                 question)
-    if not m:
-        return question
-    wh, body, before, prep = m.groups()
-    if prep not in _PIED or before.casefold() in _NOT_BEFORE_PIED | _FUNCTION:
-        return question
-    if prep == "in" and wh == "How many":
-        return question
-    return f"{prep.capitalize()} {wh[:1].lower()}{wh[1:]}{body} {before}?"
-
-
-_SUBORDINATORS = {"if", "when", "once", "while", "because", "although", "unless", "before",
-                  "after", "as", "so", "where", "whether", "since", "until"}  # fmt: skip
-# Plural heads without an "s", and words ending in "s" that are not plural nouns.
-_PLURAL_HEADS = {"staff", "people", "children", "we", "you", "they"}
-_NOT_PLURAL = {"this", "its", "his", "is", "was", "has", "does", "as", "us", "plus", "thus",
-               "always", "sometimes", "series", "news", "business", "process", "address",
-               "access", "less", "unless"}  # fmt: skip
-
-
-def _plural_fronted(fact: Fact) -> str | None:
-    """The forward question of a sentence whose subject is plural, with do: "Full-time staff
-    receive 26 days" -> "How many days do full-time staff receive?", "Laptops lock themselves
-    after 6 minutes" -> "How many minutes do laptops lock themselves after?" (then
-    _pied_piped). None when the words before the span are not a short plural subject and a
-    plain present-tense verb."""
-    wh, prefix, _ = wh_phrase(fact.kind, fact.answer, fact.prefix, fact.suffix)
-    words = prefix.split()
-    if not 2 <= len(words) <= 12 or any(w.endswith((",", ":", ";")) for w in words):
-        return None
-    if words[0].casefold() in _SUBORDINATORS:
-        return None  # "If you use your own car ...": no subject of the sentence there
-    for i in range(1, min(5, len(words))):
-        head, verb = words[i - 1].casefold(), words[i]
-        if head in _FUNCTION - {"we", "you", "they"} or not head.replace("-", "").isalpha():
-            return None  # past the subject
-        plural = (head in _PLURAL_HEADS and (i == 1 or head not in {"we", "you", "they"})) or (
-            head.endswith("s") and not head.endswith("ss") and head not in _NOT_PLURAL
-        )
-        if (
-            not plural
-            or not (verb.isalpha() and verb.islower() and len(verb) >= 3)
-            or verb in _FUNCTION
-            or verb.endswith(("s", "ed", "ing", "ly", "ion", "ment", "ness"))
-        ):
-            continue
-        subject = words[:i]
-        # A capital that is only the sentence's: "Laptops", "Full-time staff", "The ...".
-        first = subject[0]
-        if (
-            fact.lower_first
-            or i == 1
-            or first in ("The", "Our", "Your", "All", "Most")
-            or re.match(r"^[A-Z][a-z]+-[a-z]+$", first)
-        ):
-            subject = [_WE.get(first.casefold(), first.lower()), *subject[1:]]
-        return f"{_cap(wh)} do {' '.join([*subject, verb, *words[i + 1 :]])}?"
-    return None
 
 
 def _how_long(question: str) -> str:

@@ -146,28 +146,6 @@ def test_forward_questions_are_short_and_in_few_of_the_documents_words():
         assert well_formed(question, "")
 
 
-def test_an_amount_takes_its_preposition_to_the_front_and_a_plural_subject_takes_do():
-    """Saltgrove's card had forward questions from 8 of its 93 fact sentences: these were
-    left in place ("Full-time staff receive how many days?") or ended in a preposition
-    ("What time does the warehouse open at?") and so were not asked."""
-    text = (
-        "The company was founded in 1987. The warehouse opens at 7:30 so that vans can be "
-        "loaded. The helpdesk is staffed from 8:45 to 17:15 on working days. Full-time staff "
-        "receive 26 days' annual leave a year. Laptops lock themselves after 6 minutes "
-        "without use. If you use your own car on company business you can claim 43p per "
-        "mile. The two-person lift rule applies to anything over 32 kg."
-    )
-    asked = _forward(text)
-    assert asked["1987"] == "In what year was the company founded?"
-    assert asked["7:30"] == "At what time does the warehouse open?"
-    assert asked["8:45"] == "From what time is the helpdesk staffed?"
-    assert asked["26 days"] == "How many days do full-time staff receive?"
-    assert asked["6 minutes"] == "After how many minutes do laptops lock themselves?"
-    assert "43p" not in asked and "32 kg" not in asked
-    for question in asked.values():
-        assert well_formed(question, "")
-
-
 def test_a_code_in_brackets_is_left_out_of_the_question():
     text = (
         "The Harbour Kettle (HK-210) boils a litre in two minutes. It costs £36. "
@@ -230,9 +208,6 @@ def test_malformed_or_sentence_copying_questions_are_not_asked(text):
         "Which date and 20 December engineers may only take leave?",
         "Where does Store your password?",
         "Who are the operating hours shown under?",
-        # A day of the month or a price in pence counted as a unit (Cogwell, Saltgrove).
-        "On how many th does pay go into your account?",
-        "How many p can you claim?",
     ],
 )
 def test_not_well_formed(question):
