@@ -28,8 +28,10 @@ from worker.dataset.corpus import (
     text_example,
 )
 from worker.dataset.probes import (
+    contains_answer,
     fact_spans,
     normalise,
+    skeleton,
     split_sentences,
 )
 from worker.dataset.questions import training_questions
@@ -215,31 +217,44 @@ def make_generated_qa(
 
     Honesty: no fact of a probed sentence is asked in a probe template (so a question about
     another span of the same sentence cannot hand over the probe's question and answer), and
-    no question equals any probe question (after normalising): the recall score measures
-    answering questions worded in a way the model never trained on.
+    no question equals any probe question (after normalising), nor reads like one asked for
+    the same answer (worker.dataset.probes.skeleton): the recall score measures answering
+    questions worded in a way the model never trained on.
     """
     probed = {p.sentence for p in probes}
     probe_questions = {normalise(p.question) for p in probes if p.question}
+    card_answers: dict[str, list[str]] = {}  # a card question's skeleton -> its answers
+    for p in probes:
+        if p.question:
+            card_answers.setdefault(skeleton(p.question), []).append(p.answer)
     seen: set[str] = set()
     out: list[tuple[str, str]] = []
+
+    def taken(question: str, answer: str) -> bool:
+        """Already practised, asked on the card, or asked on the card nearly so for the same
+        answer (a code, an article or a preposition apart: the card's "What is the code for
+        the Quiet Hinge?" is not practised as "What is the code of the Quiet Hinge?")."""
+        key = normalise(question)
+        if key in seen or key in probe_questions:
+            return True
+        return any(contains_answer(answer, a) for a in card_answers.get(skeleton(question), ()))
+
     for fact in fact_spans(docs):
         is_probed = fact.sentence in probed
         made = training_questions(fact, probed=is_probed)
         made.sort(key=lambda t: _TEMPLATE_ORDER.index(t[0]))
         kept = 0
         for _template, question, answer in made:
-            key = normalise(question)
-            if kept >= per_fact or key in seen or key in probe_questions:
+            if kept >= per_fact or taken(question, answer):
                 continue
-            seen.add(key)
+            seen.add(normalise(question))
             out.append((question, answer))
             kept += 1
 
     def keep(pairs) -> None:
         for question, answer in pairs:
-            key = normalise(question)
-            if key not in seen and key not in probe_questions:
-                seen.add(key)
+            if not taken(question, answer):
+                seen.add(normalise(question))
                 out.append((question, answer))
 
     keep(role_practice_of([*docs, *answers]))

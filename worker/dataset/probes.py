@@ -205,6 +205,22 @@ def normalise(text: str) -> str:
     return re.sub(r"^[\W_]+|[\W_]+$", "", _folded(text))
 
 
+# Words a question can change and still ask the same thing ("What is the code of the
+# Quiet Hinge?" / "What is the code for the Quiet Hinge?").
+_SKELETON_DROPS = {
+    "a", "an", "the", "of", "for", "on", "to", "in", "at", "by", "with", "from", "our",
+    "your", "is", "are", "does", "do", "what", "which", "s",
+}  # fmt: skip
+
+
+def skeleton(question: str) -> str:
+    """A question without its codes and figures, articles, prepositions and question words:
+    two questions with the same skeleton ask the same thing nearly the same way, so one may
+    not be practised when the other is on the card."""
+    words = re.findall(r"[a-z0-9'-]+", question.casefold())
+    return " ".join(w for w in words if w not in _SKELETON_DROPS and not any(c.isdigit() for c in w))
+
+
 def contains_answer(output: str, answer: str) -> bool:
     """True when the normalised answer appears in the normalised output as whole words
     ("36" is not found inside "360"). An empty answer never counts."""

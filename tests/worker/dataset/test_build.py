@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 
-from worker.dataset.build import build_dataset, encode_qa, qa_prompt_ids
-from worker.dataset.corpus import IGNORE_INDEX, SourceDoc
+from worker.dataset.build import build_dataset, encode_qa, make_generated_qa, qa_prompt_ids
+from worker.dataset.corpus import IGNORE_INDEX, Probe, SourceDoc
+from worker.dataset.probes import skeleton
 
 
 def _paragraphs(tag: str, n: int) -> list[str]:
@@ -267,13 +267,24 @@ def test_no_practice_question_reads_like_a_probe_question(smol_tokenizer):
     assert not any(probe.question in p for p in prompts)
 
 
-def _skeleton(question: str) -> str:
-    """A question without its codes, articles, prepositions and question words: "What is
-    the code for the Quiet Hinge?" and "What is the code of the Quiet Hinge?" read alike."""
-    small = {"a", "an", "the", "of", "for", "on", "to", "in", "at", "by", "with", "from",
-             "our", "your", "is", "are", "does", "do", "what", "which", "s"}  # fmt: skip
-    words = re.findall(r"[a-z0-9'-]+", question.casefold())
-    return " ".join(w for w in words if w not in small and not any(c.isdigit() for c in w))
+def test_a_question_the_card_asks_nearly_so_is_not_practised():
+    """The card's "What is the code for the Torque Sprocket?" keeps the practice's "What is
+    the code of the Torque Sprocket?" out (the same answer, a preposition apart); a card
+    question of the same shape with another answer does not."""
+    docs = [("product_sheet.txt",
+             "Our range.\n\nThe NW-4471 Torque Sprocket costs $129.50 and ships in a week.")]
+    practised = [q for q, _ in make_generated_qa(docs, [], 3)]
+    assert "What is the code of the Torque Sprocket?" in practised
+
+    def card(answer: str) -> Probe:
+        return Probe(prompt="", answer=answer, source="product_sheet.txt",
+                     sentence="NW-4471 | Torque Sprocket | $129.50",
+                     question="What is the code for the Torque Sprocket?", kind="table")
+
+    kept = make_generated_qa(docs, [card("NW-4471")], 3)
+    assert "What is the code of the Torque Sprocket?" not in [q for q, _ in kept]
+    assert any("NW-4471" in a for _, a in kept)  # still practised, in other phrasings
+    assert [q for q, _ in make_generated_qa(docs, [card("NW-0000")], 3)] == practised
 
 
 @pytest.mark.parametrize("corpus", ["fixture", "heldout", "fullsize"])
@@ -296,7 +307,7 @@ def test_no_card_question_is_a_near_copy_of_a_practice_question(smol_tokenizer, 
             if e["labels"][0] == IGNORE_INDEX:
                 prompt = _chat_parts(smol_tokenizer, e)[0]
                 user = prompt.split("<|im_start|>user")[-1].split("<|im_end|>")[0]
-                practised.add(_skeleton(user))
+                practised.add(skeleton(user))
         assert len(split.probes) >= 20
-        near = [p.question for p in split.probes if _skeleton(p.question) in practised]
+        near = [p.question for p in split.probes if skeleton(p.question) in practised]
         assert not near, near
