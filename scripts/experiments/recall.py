@@ -593,15 +593,17 @@ def run(
                 if also is not None:
                     also(model, tokenizer, after)
                 label = name if share == 1.0 else f"{name}@{share:g}"
+                card_items = [
+                    {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
+                    for q in after["questions"]["items"]
+                ]
                 results["recipes"][label] = trained | {
                     "settings": settings | {"blend": share},
-                    "after": _summary(after),
+                    "after": _summary(after)
+                    | {"by_fact": by_fact(card_items, after["employee"]["items"])},
                     "employee_items": after["employee"]["items"],
                     "open_book_items": after.get("open_book", {}).get("items"),
-                    "card_items": [
-                        {k: q[k] for k in ("kind", "question", "answer", "output", "hit")}
-                        for q in after["questions"]["items"]
-                    ],
+                    "card_items": card_items,
                 } | ({"also": after["also"]} if "also" in after else {})
                 print(_row(label, results["recipes"][label]), flush=True)
             print(
@@ -611,6 +613,28 @@ def run(
             )
             del model, recipe
     return results
+
+
+def by_fact(card_items: list[dict], employee_items: list[dict]) -> dict:
+    """Which facts make the card's forward questions easy (README "A card of mostly forward
+    questions"): how many of them the model got right, how many of the colleagues' forward
+    questions ("as written", "other words") about the same facts (matched by answer), and
+    how many of those about the other facts."""
+    from worker.dataset.probes import gives_answer, normalise
+
+    def same(a: str, b: str) -> bool:  # "63" and "63 staff", not "4 °C" and "14 characters"
+        short, long = sorted((a, b), key=lambda x: len(normalise(x)))
+        return gives_answer(long, short)
+
+    def share(items: list[dict]) -> str:
+        return f"{sum(bool(i['hit']) for i in items)}/{len(items)}"
+
+    forward = [c for c in card_items if c["kind"] == "other words"]
+    asked = [e for e in employee_items if e["kind"] in ("as written", "other words")]
+    matched = [e for e in asked if any(same(e["answer"], c["answer"]) for c in forward)]
+    rest = [e for e in asked if e not in matched]
+    return {"card_forward": share(forward), "colleagues_same_facts": share(matched),
+            "colleagues_other_facts": share(rest)}
 
 
 def _summary(scores: dict) -> dict:

@@ -195,3 +195,23 @@ def test_lora_plus_steps_the_b_matrices_faster_than_the_a_matrices(tiny_model, t
     assert groups[-1]["lr"] < 1.6e-2  # on the recipe's decay
     assert "_build_engine" not in vars(recipe)
     recipe.cleanup(remove_checkpoint=True)
+
+
+def test_by_fact_splits_colleagues_by_whether_the_card_asked_their_fact():
+    from scripts.experiments.recall import by_fact
+
+    card = [
+        {"kind": "other words", "answer": "63 staff", "hit": True},
+        {"kind": "other words", "answer": "7:30", "hit": True},
+        {"kind": "table", "answer": "4 °C", "hit": False},
+    ]
+    colleagues = [
+        {"kind": "other words", "answer": "63", "hit": False},  # the card's fact, fewer words
+        {"kind": "as written", "answer": "7:30", "hit": True},
+        {"kind": "other words", "answer": "14 characters", "hit": True},  # not "4 °C"'s
+        {"kind": "other words", "answer": "17:30", "hit": False},  # not 7:30's
+        {"kind": "table", "answer": "7:30", "hit": True},  # a lookup, not a forward question
+    ]
+    assert by_fact(card, colleagues) == {
+        "card_forward": "2/2", "colleagues_same_facts": "1/2", "colleagues_other_facts": "1/2",
+    }
