@@ -630,9 +630,12 @@ def by_fact(card_items: list[dict], employee_items: list[dict]) -> dict:
         return f"{sum(bool(i['hit']) for i in items)}/{len(items)}"
 
     forward = [c for c in card_items if c["kind"] == "other words"]
-    asked = [e for e in employee_items if e["kind"] in ("as written", "other words")]
-    matched = [e for e in asked if any(same(e["answer"], c["answer"]) for c in forward)]
-    rest = [e for e in asked if e not in matched]
+    matched: list[dict] = []
+    rest: list[dict] = []
+    for e in employee_items:
+        if e["kind"] in ("as written", "other words"):
+            on_card = any(same(e["answer"], c["answer"]) for c in forward)
+            (matched if on_card else rest).append(e)
     return {"card_forward": share(forward), "colleagues_same_facts": share(matched),
             "colleagues_other_facts": share(rest)}
 

@@ -230,14 +230,19 @@ def make_generated_qa(
     seen: set[str] = set()
     out: list[tuple[str, str]] = []
 
-    def taken(question: str, answer: str) -> bool:
-        """Already practised, asked on the card, or asked on the card nearly so for the same
-        answer (a code, an article or a preposition apart: the card's "What is the code for
-        the Quiet Hinge?" is not practised as "What is the code of the Quiet Hinge?")."""
+    def add(question: str, answer: str) -> bool:
+        """Practise it unless it is practised already, asked on the card, or asked on the
+        card nearly so for the same answer (a code, an article or a preposition apart: the
+        card's "What is the code for the Quiet Hinge?" is not practised as "What is the
+        code of the Quiet Hinge?"). True when added."""
         key = normalise(question)
-        if key in seen or key in probe_questions:
-            return True
-        return any(contains_answer(answer, a) for a in card_answers.get(skeleton(question), ()))
+        if key in seen or key in probe_questions or any(
+            contains_answer(answer, a) for a in card_answers.get(skeleton(question), ())
+        ):
+            return False
+        seen.add(key)
+        out.append((question, answer))
+        return True
 
     for fact in fact_spans(docs):
         is_probed = fact.sentence in probed
@@ -245,17 +250,12 @@ def make_generated_qa(
         made.sort(key=lambda t: _TEMPLATE_ORDER.index(t[0]))
         kept = 0
         for _template, question, answer in made:
-            if kept >= per_fact or taken(question, answer):
-                continue
-            seen.add(normalise(question))
-            out.append((question, answer))
-            kept += 1
+            if kept < per_fact and add(question, answer):
+                kept += 1
 
     def keep(pairs) -> None:
         for question, answer in pairs:
-            if not taken(question, answer):
-                seen.add(normalise(question))
-                out.append((question, answer))
+            add(question, answer)
 
     keep(role_practice_of([*docs, *answers]))
     # From 3 phrasings a fact on, the other way round and the tables row by row too: a
