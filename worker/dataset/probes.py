@@ -14,6 +14,7 @@ import re
 import unicodedata
 from dataclasses import dataclass, replace
 
+from worker.dataset.answer_forms import value_form
 from worker.dataset.questions import Fact
 
 
@@ -254,8 +255,10 @@ def gives_answer(output: str, answer: str) -> bool:
     """Whether a model's `output` gives `answer`, for scoring: as `contains_answer`, but a
     percent or currency sign in the answer must be in the output too ("€24" is not "a
     24-hour delivery", "6%" is not "6 months"; "6 per cent" is 6%). `contains_answer` stays
-    the lenient test for whether a question or prompt gives its answer away."""
-    a = _answer_form(answer)
+    the lenient test for whether a question or prompt gives its answer away. Both sides are
+    compared with their values written one way ("seven years" is "7 years", "£7,895" gives
+    "7895", "09:30" gives "9:30": worker.dataset.answer_forms)."""
+    a = value_form(_answer_form(answer))
     pattern = re.escape(a).replace("%", r"(?:%|\s?per\s?cent)")
     # A number is not a piece of a bigger one: "17" is not in "17:15", "$129" not in
     # "$129.50", "2" not in "3.2" (a stock count was scored right from a closing time).
@@ -263,7 +266,7 @@ def gives_answer(output: str, answer: str) -> bool:
         pattern = r"(?<!\d[.,:])" + pattern
     if a[-1:].isdigit():
         pattern += r"(?![.,:]\d)"
-    return bool(a) and _whole_words(pattern, _folded(output))
+    return bool(a) and _whole_words(pattern, value_form(_folded(output)))
 
 
 def _find_spans(sentence: str) -> list[tuple[int, int, str]]:
