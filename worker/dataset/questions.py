@@ -246,37 +246,6 @@ def _opens_aside(prefix: str, suffix: str) -> bool:
     return len(prefix.split()) < 2 and suffix.strip()[:1] in tuple(",;:)")
 
 
-# Words that cannot end a practice question ("Who is she still our?").
-_DANGLING = _ARTICLES | _CONJUNCTIONS - {"who", "which", "where", "when"} | {
-    "our", "your", "my", "their", "its", "this", "these", "those", "every", "each", "as",
-    "than", "if",
-}  # fmt: skip
-# Shapes of a practice question the templates garble: a person's question word standing
-# for a word of a longer name or before a noun ("leaves who Down warehouse", "through who
-# app", "who 6-grid combi oven"), do-support with a past tense ("Who does Femi reported
-# ..."), an imperative's verb taken for a subject ("Where does Store your password?").
-_PRACTICE_GARBLES = (
-    re.compile(r".\b(?:who|whom)\s+(?:[A-Z0-9]|and\b|(?!(?:"
-               + "|".join(sorted(_AUX | _PREPOSITIONS | {"will", "did", "does", "do"}))
-               + r")\b)[a-z][\w-]*(?<![^s]s)(?<!ed)\b)"),
-    re.compile(r"\b(?:do|does|did)\s+(?:\S+\s+){1,5}?\w{3,}ed\b"),
-    re.compile(r"\b(?:do|does|did)\s+[A-Z][a-z]+\s+(?:your|the|a|an|our|all|any|every|each|and)\b"),
-    # A determiner before the question word ("every which fryer"), or the question word
-    # for one end of a range ("Which date and 20 December ...").
-    re.compile(r"\b(?:every|each|the|a|an|our|your)\s+(?:which|who|whom|what)\b"),
-    re.compile(r"^(?:What|Which|Who|Whom|Where|When|How)(?:\s+\w+)?\s+and\b"),
-)
-
-
-def practisable(question: str) -> bool:
-    """Whether a practice question reads as a question: none of the shapes the templates
-    garble, and not ending on a word that needs another after it."""
-    words = question.rstrip("?").split()
-    if not words or words[-1].casefold() in _DANGLING or words[-1].endswith(","):
-        return False
-    return not any(p.search(question) for p in _PRACTICE_GARBLES)
-
-
 def _with_context(fact: Fact, question: str) -> str:
     return f"{fact.context} {question}" if fact.needs_context else question
 
@@ -300,66 +269,17 @@ def probe_question(fact: Fact) -> tuple[str, str]:
     return "in_situ", _with_context(fact, _capitalise(body) + "?")
 
 
-# Words that end a topic phrase: a new clause starts there ("... leave, which ...").
-_CLAUSE_WORDS = _CONJUNCTIONS | _AUX | {
-    "because", "if", "then", "while", "as", "than", "unless", "whether", "plus", "be", "been",
-}  # fmt: skip
-_DETERMINERS = _ARTICLES | {
-    "our", "your", "their", "its", "my", "his", "her", "this", "these", "those", "every",
-    "each", "all", "any", "some",
-}  # fmt: skip
-_MAX_TOPIC_WORDS = 7
-# A phrase with a person in it is a clause ("you cannot come to work"), not a topic.
-_PERSONAL = _PRONOUNS | {"i", "you", "we", "us", "me", "cannot"}
-
-
-def _trimmed(words: list[str]) -> list[str]:
-    """A phrase without the prepositions, determiners and clause words at its ends, nor
-    punctuation stuck to them ("' annual leave" -> "annual leave")."""
-    words = [w for w in (w.strip("\"'‘’“”()[]") for w in words) if w]
-    while words and words[0].lower() in _PREPOSITIONS | _DETERMINERS | _CLAUSE_WORDS:
-        words = words[1:]
-    while words and words[-1].lower() in _PREPOSITIONS | _DETERMINERS | _CLAUSE_WORDS:
-        words = words[:-1]
-    return words
-
-
-def _segments(text: str) -> list[list[str]]:
-    """The word runs of `text` between punctuation and clause words."""
-    out: list[list[str]] = [[]]
-    for piece in re.split(r"([,;:()\"“”]|\s[-–]\s)", text):
-        if re.fullmatch(r"[,;:()\"“”]|\s[-–]\s", piece or "x"):
-            out.append([])
-            continue
-        for w in piece.split():
-            if w.lower() in _CLAUSE_WORDS:
-                out.append([])
-            else:
-                out[-1].append(w)
-    return [_trimmed(seg) for seg in out]
-
-
 def _topic(fact: Fact) -> str:
-    """A phrase saying what the sentence is about, from around the span: the words after it
-    up to where a new clause starts ("26 days' annual leave a year plus ..." -> "annual
-    leave a year"), else the subject before it ("Office hours are 8:45 ..." -> "Office
-    hours"). "" when no whole phrase of two to seven words is there: no topic question is
-    then made, rather than one about half a phrase ("What does the handbook say about ask
-    your line manager or our?")."""
-    after = _segments(fact.suffix)[0]
-    before = _segments(_clean_prefix(fact.prefix))
-    for words in (after, before[0], before[-1]):
-        if (2 <= len(words) <= _MAX_TOPIC_WORDS and words[0][:1].isalpha()
-                and not {w.lower() for w in words} & _PERSONAL):
-            return " ".join(words)
-    return ""
-
-
-def _says(title: str) -> str:
-    """ "What does the handbook say", "What do the meeting minutes say"."""
-    last = title.split()[-1] if title else ""
-    plural = last.endswith("s") and not last.endswith(("ss", "us", "is"))
-    return f"What {'do' if plural else 'does'} {title} say"
+    """A few words saying what the sentence is about, from around the span."""
+    after = re.split(r"[,;:(]", fact.suffix, maxsplit=1)[0].split()
+    while after and (after[0].lower() in _PREPOSITIONS | _ARTICLES | {"and", "or"}):
+        after = after[1:]
+    if len(after) >= 2:
+        return " ".join(after[:8])
+    before = _clean_prefix(fact.prefix).split()
+    while before and before[-1].lower() in _PREPOSITIONS | _ARTICLES | _AUX:
+        before = before[:-1]
+    return " ".join(before[-6:])
 
 
 def training_questions(fact: Fact, probed: bool) -> list[tuple[str, str, str]]:
@@ -384,11 +304,9 @@ def training_questions(fact: Fact, probed: bool) -> list[tuple[str, str, str]]:
         )
     topic = _topic(fact)
     if topic and len(topic.split()) >= 2:
-        out.append(("topic", f"{_says(title)} about {topic}?", answer_sentence))
+        out.append(("topic", f"What does {title} say about {topic}?", answer_sentence))
     if not probed and probe_template in ("fronted", "subject"):
         out.append(("fronted", probe_text, answer_sentence))
-    # A question the templates garbled is not practised: the next phrasing takes its place.
-    out = [(t, q, a) for t, q, a in out if t in ("fill_blank", "complete") or practisable(q)]
     if not probed:
         return out
     # Never a training question that reads like the probe.

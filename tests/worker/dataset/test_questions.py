@@ -14,7 +14,6 @@ from worker.dataset.questions import (
     PROBE_TEMPLATES,
     TRAIN_TEMPLATES,
     Fact,
-    practisable,
     probe_question,
     title_of,
     training_questions,
@@ -201,76 +200,3 @@ def test_probes_carry_a_question_and_facts_cover_every_span():
     assert not any("|" in f.sentence for f in facts)
     assert not any(f.sentence.startswith("Careers") for f in facts)
     assert all(f.source == "handbook.txt" for f in facts)
-
-
-@pytest.mark.parametrize(
-    ("sentence", "answer", "kind", "source", "topic"),
-    [
-        ("Full-time staff receive 26 days' annual leave a year plus bank holidays.", "26 days",
-         "quantity", "staff_handbook.pdf",
-         "What does the staff handbook say about annual leave a year?"),
-        ("Office hours are 8:45 to 17:15, Monday to Friday.", "8:45", "time",
-         "staff_handbook.pdf", "What does the staff handbook say about Office hours?"),
-        (("The summer staff barbecue will be held at Kestle Down on Friday 1 July 2022; "
-          "partners and children are welcome."), "1 July 2022", "date", "meeting_minutes.txt",
-         "What do the meeting minutes say about summer staff barbecue?"),
-        # Half a phrase is no topic: "... say about ask your line manager or our?" was asked.
-        (("If anything here is unclear, ask your line manager or our HR Advisor, Keziah "
-          "Morrow, before you act on it."), "Keziah Morrow", "name", "staff_handbook.pdf", None),
-        (("Filtering every day with Fryhaven filter papers (SG-7105) roughly doubles the "
-          "life of the oil."), "SG-7105", "code", "troubleshooting.md",
-         ("What does the troubleshooting say about Filtering every day with Fryhaven filter "
-          "papers?")),
-    ],
-)
-def test_a_topic_question_names_a_whole_phrase(sentence, answer, kind, source, topic):
-    made = training_questions(fact(sentence, answer, kind, source=source), probed=True)
-    topics = [q for t, q, _ in made if t == "topic"]
-    assert topics == ([topic] if topic else []), topics
-
-
-@pytest.mark.parametrize(
-    "question",
-    [
-        "Every new appliance that leaves who Down warehouse must pass an inspection?",
-        "You may read work email only through who app, which keeps company data separate?",
-        "Best seller: who 6-grid combi oven, with 212 units sold?",
-        "Section 1 (Conduct) and Section 3 who and Benefits) are issued separately?",
-        "Who does Femi Adebanjo-Reid reported two warranty return of?",
-        "Where does Store your password?",
-        "Who is she still our?",
-        "The Quality Lead will re-inspect every which fryer until the end of March?",
-        "Which date and 20 December engineers may only take leave?",
-    ],
-)
-def test_a_garbled_practice_question_is_not_practised(question):
-    assert not practisable(question)
-
-
-@pytest.mark.parametrize(
-    "question",
-    [
-        "Action: who to send the letters by 25 February 2022?",
-        "Mention that who has signed a three-year renewal?",
-        "All actions are closed except the Kitchenlink upgrade, which who will report on?",
-        "Saltgrove Catering Equipment was founded in 1994 by whom, a former hotel chef?",
-        "Our largest customer is who, which runs 46 care home kitchens?",
-        "Who re-inspects 1 in 20 units at random?",
-        "Which job title does Sunniva Holt have?",
-        "The company was founded in 1987 by whom in a converted boathouse?",
-        "Collect your badge from whom at reception in the Port Ellery office?",
-        "How many days does every employee receive?",
-    ],
-)
-def test_a_practice_question_that_reads_well_is_practised(question):
-    assert practisable(question)
-
-
-def test_a_garbled_echo_gives_way_to_the_next_phrasing():
-    """The span is a word of a longer name: its echo ("... leaves who Down warehouse ...")
-    is not practised; the fact is still practised, in the other phrasings."""
-    f = fact("Every appliance that leaves Kestle Down warehouse must pass an inspection.",
-             "Kestle", "name", source="qc_procedure.docx")
-    made = training_questions(f, probed=False)
-    assert made and not any("who Down" in q for _, q, _ in made)
-    assert {t for t, _, _ in made} >= {"fill_blank", "complete"}
