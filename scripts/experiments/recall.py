@@ -615,6 +615,11 @@ def run(
     return results
 
 
+def share(items: list[dict]) -> str:
+    """ "right/asked" of scored items (each with a "hit")."""
+    return f"{sum(bool(i['hit']) for i in items)}/{len(items)}"
+
+
 def by_fact(card_items: list[dict], employee_items: list[dict]) -> dict:
     """Which facts make the card's forward questions easy (README "A card of mostly forward
     questions"): how many of them the model got right, how many of the colleagues' forward
@@ -625,9 +630,6 @@ def by_fact(card_items: list[dict], employee_items: list[dict]) -> dict:
     def same(a: str, b: str) -> bool:  # "63" and "63 staff", not "4 °C" and "14 characters"
         short, long = sorted((a, b), key=lambda x: len(normalise(x)))
         return gives_answer(long, short)
-
-    def share(items: list[dict]) -> str:
-        return f"{sum(bool(i['hit']) for i in items)}/{len(items)}"
 
     forward = [c for c in card_items if c["kind"] == "other words"]
     matched: list[dict] = []

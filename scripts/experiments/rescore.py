@@ -17,51 +17,47 @@ import sys
 from pathlib import Path
 
 
-def _share(items: list[dict], key: str = "hit") -> str:
-    return f"{sum(bool(i[key]) for i in items)}/{len(items)}"
+def figures(card: list[dict], colleagues: list[dict]) -> dict:
+    """The recall experiment's figures of scored items (each with a "hit")."""
+    from scripts.experiments.recall import by_fact, share
 
+    def by_kind(items: list[dict]) -> dict[str, str]:
+        kinds: dict[str, list[dict]] = {}
+        for i in items:
+            kinds.setdefault(i["kind"], []).append(i)
+        return {k: share(v) for k, v in kinds.items()}
 
-def _by_kind(items: list[dict], key: str) -> dict[str, str]:
-    kinds: dict[str, list[dict]] = {}
-    for i in items:
-        kinds.setdefault(i["kind"], []).append(i)
-    return {k: _share(v, key) for k, v in kinds.items()}
-
-
-def _gap(card: list[dict], colleagues: list[dict], key: str) -> float:
     def pct(items: list[dict]) -> float:
-        return 100 * sum(bool(i[key]) for i in items) / len(items) if items else 0.0
+        return 100 * sum(bool(i["hit"]) for i in items) / len(items) if items else 0.0
 
-    return round(pct(card) - pct(colleagues), 1)
+    return {
+        "employee": share(colleagues),
+        "employee_by_kind": by_kind(colleagues),
+        "card": share(card),
+        "card_by_kind": by_kind(card),
+        "gap_points": round(pct(card) - pct(colleagues), 1),
+        "by_fact": by_fact(card, colleagues),
+    }
 
 
 def rescore_recipe(recipe: dict) -> dict:
     """One recipe's saved replies scored as they were and as today's code scores them."""
-    from scripts.experiments.recall import by_fact
     from worker.dataset.probes import gives_answer
 
-    card = [dict(i, now=gives_answer(i["output"], i["answer"])) for i in recipe["card_items"]]
-    colleagues = [dict(i, now=gives_answer(i["output"], i["answer"]))
-                  for i in recipe["employee_items"]]
-    sides = {}
-    for key, name in (("hit", "saved"), ("now", "now")):
-        as_scored = [dict(i, hit=i[key]) for i in card]
-        asked = [dict(i, hit=i[key]) for i in colleagues]
-        sides[name] = {
-            "employee": _share(colleagues, key),
-            "employee_by_kind": _by_kind(colleagues, key),
-            "card": _share(card, key),
-            "card_by_kind": _by_kind(card, key),
-            "gap_points": _gap(card, colleagues, key),
-            "by_fact": by_fact(as_scored, asked),
-        }
+    def now(items: list[dict]) -> list[dict]:
+        return [dict(i, hit=gives_answer(i["output"], i["answer"])) for i in items]
+
+    saved = {"card": recipe["card_items"], "colleague": recipe["employee_items"]}
+    scored = {side: now(items) for side, items in saved.items()}
     changed = [
-        {"side": side, "question": i["question"], "answer": i["answer"], "output": i["output"],
-         "now": i["now"]}
-        for side, items in (("card", card), ("colleague", colleagues))
-        for i in items if bool(i["hit"]) != i["now"]
+        {"side": side, "question": new["question"], "answer": new["answer"],
+         "output": new["output"], "now": new["hit"]}
+        for side in saved
+        for old, new in zip(saved[side], scored[side], strict=True)
+        if bool(old["hit"]) != new["hit"]
     ]
-    return sides | {"changed": changed}
+    return {"saved": figures(saved["card"], saved["colleague"]),
+            "now": figures(scored["card"], scored["colleague"]), "changed": changed}
 
 
 def last_json_line(text: str) -> dict:
