@@ -64,6 +64,7 @@ import torch
 from app.contract.training import LORA_MODULES
 from scripts.experiments.cells import practising_cells
 from scripts.experiments.fact_weight import fact_answers, fact_weights
+from scripts.experiments.question_loss import with_question_loss
 from scripts.experiments.quoted import quoting
 from scripts.experiments.soft_replay import base_targets, plain_samples, soft_replay
 from scripts.experiments.text_shuffle import shuffled_copies
@@ -240,6 +241,8 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("soft_replay=plain anchors the passages of plain_replay=N: name N")
     if spec.get("quote") not in (None, True, False):
         raise ValueError("quote is true or false")
+    if spec.get("question_loss") not in (None, True, False):
+        raise ValueError("question_loss is true or false")
     if not isinstance(spec.get("fact_weight", 1), (int, float)) or spec.get("fact_weight", 1) <= 0:
         raise ValueError("fact_weight is a positive number (each fact token's share of the loss)")
     if spec.get("table_cells", 0) not in (0, 1, 2, 3):
@@ -269,6 +272,7 @@ class Levers:
     fact_weight: float = 1  # a fact token's loss over the others' in its row
     quote: bool = False  # practice answers quote their document
     table_cells: int = 0  # wordings a table cell is practised in (scripts/experiments/cells.py)
+    question_loss: bool = False  # the loss on a practice question too (question_loss.py)
     ablate: str | None = None  # ABLATIONS
 
     @classmethod
@@ -522,6 +526,8 @@ def run(
                 before = evaluate(model, tokenizer, split) | ask(model)
                 cache_file.write_text(json.dumps(before))
             before_cache[probe_set] = before
+            if lv.question_loss:  # the loss on the questions of practice and pairs too
+                split.train_examples = with_question_loss(tokenizer, split.train_examples)
             if lv.reading_practice:  # practice in reading the passages the chat's search finds
                 from scripts.experiments.open_book import reading_practice
 
