@@ -64,6 +64,7 @@ import torch
 from app.contract.training import LORA_MODULES
 from scripts.experiments.cells import practising_cells
 from scripts.experiments.fact_weight import fact_answers, fact_weights
+from scripts.experiments.plain_sentences import practising_plain_sentences
 from scripts.experiments.question_loss import with_question_loss
 from scripts.experiments.quoted import quoting
 from scripts.experiments.soft_replay import base_targets, plain_samples, soft_replay
@@ -243,6 +244,8 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("quote is true or false")
     if spec.get("question_loss") not in (None, True, False):
         raise ValueError("question_loss is true or false")
+    if spec.get("plain_sentences", 0) not in (0, 1, 2):
+        raise ValueError("plain_sentences is 0 to 2 (phrasings a sentence without a fact)")
     if not isinstance(spec.get("fact_weight", 1), (int, float)) or spec.get("fact_weight", 1) <= 0:
         raise ValueError("fact_weight is a positive number (each fact token's share of the loss)")
     if spec.get("table_cells", 0) not in (0, 1, 2, 3):
@@ -273,6 +276,7 @@ class Levers:
     quote: bool = False  # practice answers quote their document
     table_cells: int = 0  # wordings a table cell is practised in (scripts/experiments/cells.py)
     question_loss: bool = False  # the loss on a practice question too (question_loss.py)
+    plain_sentences: int = 0  # phrasings a sentence without a fact (plain_sentences.py)
     ablate: str | None = None  # ABLATIONS
 
     @classmethod
@@ -507,7 +511,8 @@ def run(
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
             with (_ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote),
-                  practising_cells(lv.table_cells)):
+                  practising_cells(lv.table_cells),
+                  practising_plain_sentences(lv.plain_sentences)):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=lv.generated_qa,
                     **held,
