@@ -74,7 +74,8 @@ def test_train_shows_the_defaults_for_the_corpus(client, env):
     expected = default_params(3000, 100, "lora")  # 6,000 "words": 2 epochs
     assert expected["epochs"] == 2
     assert re.search(rf"Passes over your documents</dt><dd>{expected['epochs']}</dd>", page)
-    assert "<dd>0.001</dd>" in page and "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
+    assert expected["learning_rate"] == 0.002 and "<dd>0.002</dd>" in page  # 2 passes' step
+    assert "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
     assert "<dd>2 per fact in your documents</dd>" in page  # the practice questions
     assert "<dd>16 (so the model keeps its general English)</dd>" in page  # the replay
     assert "<dd>none: your documents are short, so all of them are learned</dd>" in page
@@ -231,6 +232,16 @@ def test_the_passes_fall_as_the_documents_grow_so_training_stays_near_ten_minute
     assert default_params(TWO_PASSES_FROM - 30, 1, "lora")["epochs"] == 2  # a pair: 30 words
     assert default_params(3_111, 12, "lora")["epochs"] == 2  # tests/fixtures/fullsize_docs.py
     assert default_params(50_000, 0, "full")["epochs"] == 2
+
+
+def test_two_passes_take_a_larger_lora_step():
+    from app.contract.training import LORA_LR, LORA_LR_TWO_PASSES, TWO_PASSES_FROM
+
+    assert LORA_LR_TWO_PASSES > LORA_LR
+    assert default_params(862, 12, "lora")["learning_rate"] == LORA_LR  # 4 passes
+    assert default_params(TWO_PASSES_FROM - 1, 0, "lora")["learning_rate"] == LORA_LR  # 3
+    assert default_params(3_111, 12, "lora")["learning_rate"] == LORA_LR_TWO_PASSES
+    assert default_params(3_111, 12, "full")["learning_rate"] == 2e-5  # full: one step
 
 
 def test_short_document_sets_are_trained_on_whole():
