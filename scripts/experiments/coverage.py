@@ -83,11 +83,13 @@ def coverage(corpus: str, recipe: str, seed: int, models_dir: Path,
     the hits of `saved` (a run's employee_items, in the same order) where given."""
     from transformers import AutoTokenizer
 
-    from scripts.experiments.cells import practising_cells
-    from scripts.experiments.plain_sentences import practising_plain_sentences
-    from scripts.experiments.quoted import quoting
-    from scripts.experiments.recall import Levers, _ablated, corpus_of, load_corpus, recipe_spec
-    from scripts.experiments.synonyms import rewording
+    from scripts.experiments.recall import (
+        Levers,
+        building_with,
+        corpus_of,
+        load_corpus,
+        recipe_spec,
+    )
     from worker.dataset.build import build_dataset
     from worker.training.base_model import ensure_embedded_model
 
@@ -97,9 +99,7 @@ def coverage(corpus: str, recipe: str, seed: int, models_dir: Path,
     spec = recipe_spec(recipe, docs)
     lv = Levers.popped(spec)
     held = {k: spec[k] for k in ("holdout_frac",) if k in spec}
-    with (_ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote),
-          practising_cells(lv.table_cells),
-          practising_plain_sentences(lv.plain_sentences)):  # as the recall experiment builds it
+    with building_with(lv, seed):  # as the recall experiment builds it
         split = build_dataset(docs, tokenizer, max_seq_len=256, seed=seed,
                               generated_qa=lv.generated_qa, **held)
     answers, texts = trained_sides(tokenizer, split.train_examples)

@@ -286,6 +286,17 @@ class Levers:
 
 
 @contextlib.contextmanager
+def building_with(lv: Levers, seed: int):
+    """The dataset builder as a recipe's levers change what it practises (nothing changes
+    for a recipe without them)."""
+    from scripts.experiments.synonyms import rewording
+
+    with (_ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote),
+          practising_cells(lv.table_cells), practising_plain_sentences(lv.plain_sentences)):
+        yield
+
+
+@contextlib.contextmanager
 def _building_engine_with(recipe, wrap):
     """The recipe's setup building its engine as `wrap(build)` does, `build` being how it
     builds it otherwise (nothing changes without `wrap`); these nest."""
@@ -471,7 +482,6 @@ def run(
     it puts in after["also"] goes into the results (scripts.experiments.confidence)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scripts.experiments.synonyms import rewording
     from worker.dataset.build import build_dataset
     from worker.dataset.corpus import text_example
     from worker.scoring.evaluate import evaluate, probe_set_id
@@ -510,9 +520,7 @@ def run(
             lv = Levers.popped(spec)  # what is left is TrainConfig's
             # build_dataset's own hold-out unless the recipe names one
             held = {k: spec.pop(k) for k in ("holdout_frac",) if k in spec}
-            with (_ablated(lv.ablate), rewording(lv.synonyms, seed), quoting(lv.quote),
-                  practising_cells(lv.table_cells),
-                  practising_plain_sentences(lv.plain_sentences)):
+            with building_with(lv, seed):
                 split = build_dataset(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=lv.generated_qa,
                     **held,
