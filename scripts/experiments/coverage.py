@@ -26,13 +26,15 @@ CLASSES = ("practised", "text only", "not trained")
 def trained_sides(tokenizer, examples: list[dict]) -> tuple[list[str], list[str]]:
     """(the answers the model is asked to write, the text it reads) of training examples: an
     example whose labels are its inputs is text; any other is a question and its answer."""
+    from worker.dataset.corpus import IGNORE_INDEX
+
     answers: list[str] = []
     texts: list[str] = []
     for e in examples:
         if e["labels"] == e["input_ids"]:
             texts.append(tokenizer.decode(e["input_ids"], skip_special_tokens=True))
         else:
-            ids = [t for t in e["labels"] if t != -100]
+            ids = [t for t in e["labels"] if t != IGNORE_INDEX]
             answers.append(tokenizer.decode(ids, skip_special_tokens=True))
     return answers, texts
 
@@ -52,28 +54,20 @@ def classify(answer: str, answers: list[str], texts: list[str]) -> tuple[str, in
 def tally(rows: list[dict]) -> dict:
     """Per class: colleague questions in it, and (where a run's replies were joined) how many
     of them that run answered; per class and kind of question too."""
+    from scripts.experiments.recall import shares_by
+
     out: dict = {}
     for c in CLASSES:
         in_class = [r for r in rows if r["class"] == c]
         entry: dict = {"n": len(in_class)}
         if in_class and "hit" in in_class[0]:
             entry["right"] = sum(bool(r["hit"]) for r in in_class)
-            kinds: dict[str, list[int]] = {}
-            for r in in_class:
-                k = kinds.setdefault(r["kind"], [0, 0])
-                k[0] += bool(r["hit"])
-                k[1] += 1
-            entry["by_kind"] = {k: f"{h}/{n}" for k, (h, n) in sorted(kinds.items())}
+            entry["by_kind"] = shares_by(in_class, lambda r: r["kind"])
         out[c] = entry
     practised = [r for r in rows if r["class"] == "practised" and "hit" in r]
     if practised:  # does practising an answer more often make it more likely to be given?
-        by_times: dict[str, list[int]] = {}
-        for r in practised:
-            b = by_times.setdefault("1" if r["times"] == 1 else "2-3" if r["times"] <= 3
-                                    else "4+", [0, 0])
-            b[0] += bool(r["hit"])
-            b[1] += 1
-        out["practised_by_times"] = {k: f"{h}/{n}" for k, (h, n) in sorted(by_times.items())}
+        out["practised_by_times"] = shares_by(
+            practised, lambda r: "1" if r["times"] == 1 else "2-3" if r["times"] <= 3 else "4+")
     return out
 
 
@@ -120,6 +114,7 @@ def coverage(corpus: str, recipe: str, seed: int, models_dir: Path,
 
 def main(argv: list[str] | None = None) -> int:
     from scripts.experiments.recall import CORPORA
+    from scripts.experiments.rescore import last_json_line
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", choices=tuple(CORPORA), default="fixture")
@@ -131,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     saved = None
     if args.log:
-        run = json.loads(Path(args.log).read_text().strip().splitlines()[-1])
+        run = last_json_line(Path(args.log).read_text(errors="replace"))
         recipes = (run["seeds"][str(args.seed)] if "seeds" in run else run)["recipes"]
         if args.recipe not in recipes:
             parser.error(f"{args.recipe} is not in {args.log}: {list(recipes)}")

@@ -57,7 +57,7 @@ def plain_practice(docs: list[tuple[str, str]], per_sentence: int,
                 if s in practised or len(words) < _MIN_WORDS or not usable_sentence(s):
                     continue
                 made = []
-                if heading and i == 0 and len(heading.split()) >= 1:
+                if heading and i == 0:
                     made.append(f"What does {title} say about {heading.lower()}?")
                 half = max(3, len(words) // 2)
                 if len(words) - half >= 2:

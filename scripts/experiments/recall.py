@@ -639,6 +639,14 @@ def share(items: list[dict]) -> str:
     return f"{sum(bool(i['hit']) for i in items)}/{len(items)}"
 
 
+def shares_by(items: list[dict], group) -> dict[str, str]:
+    """ "right/asked" of scored items per `group(item)` (e.g. the kind of question)."""
+    groups: dict[str, list[dict]] = {}
+    for i in items:
+        groups.setdefault(group(i), []).append(i)
+    return {g: share(v) for g, v in groups.items()}
+
+
 def by_fact(card_items: list[dict], employee_items: list[dict]) -> dict:
     """Which facts make the card's forward questions easy (README "A card of mostly forward
     questions"): how many of them the model got right, how many of the colleagues' forward

@@ -19,13 +19,10 @@ from pathlib import Path
 
 def figures(card: list[dict], colleagues: list[dict]) -> dict:
     """The recall experiment's figures of scored items (each with a "hit")."""
-    from scripts.experiments.recall import by_fact, share
+    from scripts.experiments.recall import by_fact, share, shares_by
 
     def by_kind(items: list[dict]) -> dict[str, str]:
-        kinds: dict[str, list[dict]] = {}
-        for i in items:
-            kinds.setdefault(i["kind"], []).append(i)
-        return {k: share(v) for k, v in kinds.items()}
+        return shares_by(items, lambda i: i["kind"])
 
     def pct(items: list[dict]) -> float:
         return 100 * sum(bool(i["hit"]) for i in items) / len(items) if items else 0.0
