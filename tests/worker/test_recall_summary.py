@@ -215,3 +215,26 @@ def test_by_fact_splits_colleagues_by_whether_the_card_asked_their_fact():
     assert by_fact(card, colleagues) == {
         "card_forward": "2/2", "colleagues_same_facts": "1/2", "colleagues_other_facts": "1/2",
     }
+
+
+def test_all_three_companies_in_one_project_keep_each_file_and_question_apart(tmp_path):
+    """--corpus all: every company's files under names of their own, and each question still
+    pointing at the file that answers it (tallied per company)."""
+    from scripts.experiments.recall import ALL_OF, company_of, corpus_of, load_corpus, shares_by
+
+    docs = load_corpus(tmp_path, "all")
+    parts = {c: load_corpus(tmp_path / f"one-{c}", part) for c, part in ALL_OF.items()}
+    assert len(docs) == sum(len(p) for p in parts.values())
+    assert len({d.name for d in docs}) == len(docs)  # six names are shared: not merged
+    assert [d.text for d in docs] == [d.text for p in parts.values() for d in p]
+    by_name = {d.name: d for d in docs}
+    questions = corpus_of("all")[1]
+    assert len(questions) == sum(len(corpus_of(part)[1]) for part in ALL_OF.values())
+    assert {q.filename for q in questions} <= set(by_name)
+    items = [{"filename": q.filename, "hit": q.filename.startswith("cogwell-")}
+             for q in questions]
+    assert shares_by(items, company_of) == {
+        "northwind": f"0/{len(corpus_of('fixture')[1])}",
+        "cogwell": f"{len(corpus_of('heldout')[1])}/{len(corpus_of('heldout')[1])}",
+        "saltgrove": f"0/{len(corpus_of('fullsize')[1])}",
+    }
