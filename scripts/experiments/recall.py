@@ -397,6 +397,7 @@ CORPORA: dict[str, tuple[str, str, str]] = {
 # --corpus all: the three companies' files in one project (4,904 words and 34 pairs: the
 # default reads them twice), each file and question named with its company in front.
 ALL_OF = {"northwind": "fixture", "cogwell": "heldout", "saltgrove": "fullsize"}
+CORPUS_NAMES = (*CORPORA, "all")  # what --corpus takes
 
 
 def corpus_of(name: str) -> tuple:
@@ -423,6 +424,12 @@ def _all_writer(folder: Path) -> list[Path]:
 def company_of(item: dict) -> str:
     """The company a question of --corpus all is about (its file's prefix)."""
     return item.get("filename", "").split("-", 1)[0]
+
+
+def by_company(items: list[dict]) -> dict[str, str]:
+    """ "right/asked" per company of --corpus all's questions; {} for one company's."""
+    shares = shares_by(items, company_of)
+    return shares if set(shares) <= set(ALL_OF) else {}
 
 
 def load_corpus(folder: Path, corpus: str = "fixture") -> list:
@@ -478,8 +485,7 @@ def employee_questions(model, tokenizer, facts, library=None) -> dict:
         tally[1] += 1
     return {
         "by_kind": {k: f"{h}/{n}" for k, (h, n) in kinds.items()},
-        "by_company": (shares_by(items, company_of)
-                       if facts and company_of({"filename": facts[0].filename}) in ALL_OF else {}),
+        "by_company": by_company(items),
         "n": len(items),
         "hits": sum(i["hit"] for i in items),
         "n_text": len(text_items),
@@ -779,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     parser.add_argument(
         "--corpus",
-        choices=(*CORPORA, "all"),
+        choices=CORPUS_NAMES,
         default="fixture",
         help="fixture: Northwind Widgets and its 60 calibration questions (tests/fixtures/docs.py); "
         "heldout: a second company's files and questions, never used to tune a recipe "

@@ -220,7 +220,7 @@ def test_by_fact_splits_colleagues_by_whether_the_card_asked_their_fact():
 def test_all_three_companies_in_one_project_keep_each_file_and_question_apart(tmp_path):
     """--corpus all: every company's files under names of their own, and each question still
     pointing at the file that answers it (tallied per company)."""
-    from scripts.experiments.recall import ALL_OF, company_of, corpus_of, load_corpus, shares_by
+    from scripts.experiments.recall import ALL_OF, by_company, corpus_of, load_corpus
 
     docs = load_corpus(tmp_path, "all")
     parts = {c: load_corpus(tmp_path / f"one-{c}", part) for c, part in ALL_OF.items()}
@@ -233,7 +233,9 @@ def test_all_three_companies_in_one_project_keep_each_file_and_question_apart(tm
     assert {q.filename for q in questions} <= set(by_name)
     items = [{"filename": q.filename, "hit": q.filename.startswith("cogwell-")}
              for q in questions]
-    assert shares_by(items, company_of) == {
+    assert by_company(items[:3]) == {"northwind": "0/3"}
+    assert by_company([{"filename": "onboarding.md", "hit": True}]) == {}  # one company's
+    assert by_company(items) == {
         "northwind": f"0/{len(corpus_of('fixture')[1])}",
         "cogwell": f"{len(corpus_of('heldout')[1])}/{len(corpus_of('heldout')[1])}",
         "saltgrove": f"0/{len(corpus_of('fullsize')[1])}",
