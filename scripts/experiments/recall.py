@@ -477,14 +477,10 @@ def employee_questions(model, tokenizer, facts, library=None) -> dict:
         for fact, item, hits in zip(facts, items, found, strict=True):
             item["found"] = holds(hits, fact.answer)
     text_items = [i for i in items if not i["from_qa_file"]]
-    kinds: dict[str, list[int]] = {}
     for fact, item in zip(facts, items, strict=True):
         item["kind"] = fact.kind
-        tally = kinds.setdefault(fact.kind, [0, 0])
-        tally[0] += item["hit"]
-        tally[1] += 1
     return {
-        "by_kind": {k: f"{h}/{n}" for k, (h, n) in kinds.items()},
+        "by_kind": shares_by(items, lambda i: i["kind"]),
         "by_company": by_company(items),
         "n": len(items),
         "hits": sum(i["hit"] for i in items),
