@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
@@ -95,16 +96,26 @@ def sum_loss(loss: float) -> float:
     return float(t.item())
 
 
+def weights_fingerprint(named: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+    """One 63-bit hash of each parameter's bytes (xxh3), and the count: equal exactly when
+    the values are, whatever thread count a rank runs with (a float sum is not: torch adds
+    a tensor in as many pieces as it has threads, so two machines with other core counts
+    got other last bits from the same weights). Meta parameters are left out alike."""
+    digests = [xxhash.xxh3_64_intdigest(_bytes_of(p)) >> 1 for _, p in named if not p.is_meta]
+    return torch.tensor([*digests, len(named)], dtype=torch.int64)
+
+
+def _bytes_of(p: torch.Tensor) -> memoryview:
+    t = p.detach().cpu().contiguous().reshape(-1)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+
+
 def check_same_model(named: list[tuple[str, torch.nn.Parameter]]) -> None:
     """Refuse to start when the ranks' models differ (another seed, another file): each
-    rank's per-parameter float64 sums are gathered and compared with rank 0's. Parameters
-    that hold no values yet (meta) are left out on every rank alike."""
-    sums = torch.tensor(
-        [float(p.detach().double().sum()) for _, p in named if not p.is_meta] + [len(named)],
-        dtype=torch.float64,
-    )
-    gathered = [torch.empty_like(sums) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, sums)
+    rank's weights_fingerprint is gathered and compared with rank 0's."""
+    mine = weights_fingerprint(named)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
     differ = [r for r, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
     if differ:
         raise DataParallelError(

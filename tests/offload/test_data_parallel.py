@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from offload import batch_share
+from offload._parallel import weights_fingerprint
 from scripts.netns import LINKS, TwoNodes, usable
 from tests.offload import _dp_proc
 from tests.offload._factories import assert_same_weights, make_batch
@@ -97,6 +98,30 @@ def test_ranks_with_different_weights_refuse_to_start(tmp_path):
     assert run.returncode != 0
     assert "start from other weights than rank 0" in run.stderr
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_the_weights_check_is_the_same_on_any_thread_count():
+    """Machines with other core counts run their ranks on other thread counts; the same
+    weights must pass the start check on all of them (a float sum of a large tensor gets
+    other last bits on 1 and 2 threads, which once stopped such a job at its first step),
+    and a weight one float step away must not."""
+    torch.manual_seed(0)
+    weights = [("w", torch.nn.Parameter(torch.randn(2048, 2048))),
+               ("b", torch.nn.Parameter(torch.tensor(0.5)))]
+    saved = torch.get_num_threads()
+    try:
+        prints = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            prints.append(weights_fingerprint(weights))
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(p, prints[0]) for p in prints)
+    nudged = weights[0][1].detach().clone()
+    nudged[7, 9] = torch.nextafter(nudged[7, 9], torch.tensor(float("inf")))
+    other = weights_fingerprint([("w", torch.nn.Parameter(nudged)), weights[1]])
+    assert not torch.equal(other, prints[0])
+    assert torch.equal(other[1:], prints[0][1:])  # the other parameter's hash and the count
 
 
 def test_a_rank_without_rows_adds_nothing():

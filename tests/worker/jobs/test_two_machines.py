@@ -55,8 +55,11 @@ def test_a_job_trains_on_two_machines_over_the_link(tmp_path, parallel):
     project_id = _ready_project(tmp_path, "two machines")
     with TwoNodes(LINKS[1]) as nodes:
         redis, url = _redis_on(nodes.addr_a)
+        # Machines differ in threads: the job's machine runs its ranks on its worker's count
+        # (1 here), the joining one on one per core (the ranks' start check once took their
+        # equal weights for other ones).
         settings_ = {"REDIS_URL": url, "DOCTUNE_TRAIN_NODES": "2",
-                     "DOCTUNE_TRAIN_PARALLEL": parallel}
+                     "DOCTUNE_TRAIN_PARALLEL": parallel, "OMP_NUM_THREADS": "1"}
         a = WorkerProcess("train", "train", host="node-a", env=settings_)
         b = WorkerProcess("train", "train", host="node-b", env=settings_,
                           prefix=nodes.on_b([]))
