@@ -6,20 +6,22 @@ joined by a veth pair whose link is shaped like a slow network (tc). For the tes
         subprocess.run(nodes.on_b(["python", ...]), env=nodes.env_b(...))
 
 Node A is this namespace at 10.77.<n>.1 on veth `dta<n>`, node B the namespace `dtb<n>` at
-10.77.<n>.2 on `dtb<n>`; <n> comes from the process id, so runs side by side do not clash.
-Traffic between them stays on those addresses. The link's rate is a token bucket (tbf) on
+10.77.<n>.2 on `dtb<n>`; <n> is the first number from the process id's on that no other
+run holds (a lock file each), so runs side by side do not clash. Traffic between them stays on those addresses. The link's rate is a token bucket (tbf) on
 both ends; a delay needs the kernel's netem qdisc, which not every kernel has: without it
 the delay is left out and `applied` says so (never claimed)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import IO, Self
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class Link:
     rate_mbit: float | None = None  # None: as fast as the veth goes
     delay_ms: float | None = None  # one way, on each end
 
+
+LOCKS = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
+SLOTS = 200  # numbers <n> from 20: addresses 10.77.20-219.x, rendezvous ports 29420-29619
 
 LINKS = (Link("unlimited"), Link("1 Gbit/s + 0.1 ms", 1000, 0.1),
          Link("100 Mbit/s + 1 ms", 100, 1.0))
@@ -49,7 +54,8 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 @dataclass
 class TwoNodes:
     link: Link = LINKS[0]
-    n: int = field(default_factory=lambda: os.getpid() % 200 + 20)
+    n: int = field(default_factory=lambda: os.getpid() % SLOTS + 20)
+    _lock: IO | None = field(default=None, repr=False)
     applied: dict = field(default_factory=dict)  # what the link really got
 
     @property
@@ -78,9 +84,10 @@ class TwoNodes:
         return f"{self.addr_a}:{29400 + self.n}"
 
     def __enter__(self) -> Self:
-        self._teardown()  # what a killed run left behind
-        _run("ip", "netns", "add", self.ns)
+        self._claim()
         try:
+            self._teardown()  # what a killed run left behind: no live run holds its lock
+            _run("ip", "netns", "add", self.ns)
             _run("ip", "link", "add", self.dev_a, "type", "veth", "peer", "name", self.dev_b)
             _run("ip", "link", "set", self.dev_b, "netns", self.ns)
             _run("ip", "addr", "add", f"{self.addr_a}/24", "dev", self.dev_a)
@@ -91,12 +98,33 @@ class TwoNodes:
                 _run(*self.on_b(list(argv)))
             self.shape(self.link)
         except BaseException:
-            self._teardown()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        self._teardown()
+        try:
+            self._teardown()
+        finally:
+            if self._lock is not None:
+                self._lock.close()  # the lock goes with it (and with a killed process)
+                self._lock = None
+
+    def _claim(self) -> None:
+        """Take the first free <n> from ours on: a lock file per number, held while the
+        two nodes live, so runs side by side (pytest -n) never take down each other's."""
+        start = self.n
+        for step in range(SLOTS):
+            n = (start - 20 + step) % SLOTS + 20
+            lock = open(LOCKS / f"doctune-netns-{n}.lock", "w")  # noqa: SIM115
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            self.n, self._lock = n, lock
+            return
+        raise RuntimeError(f"all {SLOTS} network namespace numbers are in use")
 
     def _teardown(self) -> None:
         _run("ip", "link", "del", self.dev_a, check=False)  # its peer goes with it

@@ -47,6 +47,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download anything
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("DOCTUNE_TEST_KEEP"):  # the workers' and ranks' logs, to read
+        print(f"\nkept {SESSION_DIR}")
+        return
     shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 

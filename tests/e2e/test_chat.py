@@ -144,8 +144,12 @@ def test_ask_stream_follow_up_and_the_base_model(live_server, chat_worker, chrom
     full_history = _conversation(conversation_id).token_ids
     fp = model_fingerprint(tiny_base_model, settings.data_dir / "chat" / "versions" /
                            f"v{job_id}", torch.float32)
-    with KVStore(settings.chat_cache_dir, fp, cap_bytes=1 << 30) as store:
-        assert store.match(full_history) == len(full_history)
+
+    def kept() -> bool:  # the worker stores a turn's cache right after the reply is done
+        with KVStore(settings.chat_cache_dir, fp, cap_bytes=1 << 30) as store:
+            return store.match(full_history) == len(full_history)
+
+    wait_for(kept, 30, "the whole conversation's cache on the SSD")
     with local_client(create_app(), role=None,
                       headers=signed_in_headers("member")) as client:  # the test's member
         r = client.post(f"/chat/{conversation_id}/delete", follow_redirects=False)

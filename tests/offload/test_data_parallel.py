@@ -92,6 +92,22 @@ def test_two_nodes_over_a_slow_link_are_bitwise_one_process(tmp_path):
     assert crossed > STEPS * grads  # every step's gradients went over the link
 
 
+@pytest.mark.skipif(usable() is not None, reason=str(usable()))
+def test_two_runs_side_by_side_get_links_of_their_own():
+    """Test processes side by side (pytest -n) may start from the same number: the second
+    takes the next free one and leaves the first one's link alone."""
+    with TwoNodes(LINKS[0]) as first, TwoNodes(LINKS[0], n=first.n) as second:
+        assert second.n != first.n
+        for nodes in (first, second):  # both links whole, each end with its own address
+            for prefix, dev, addr in (([], nodes.dev_a, nodes.addr_a),
+                                      (nodes.on_b([]), nodes.dev_b, nodes.addr_b)):
+                shown = subprocess.run([*prefix, "ip", "-o", "addr", "show", "dev", dev],
+                                       capture_output=True, text=True, timeout=10, check=True)
+                assert f"inet {addr}/24" in shown.stdout
+    assert not Path("/sys/class/net", first.dev_a).exists()
+    assert not Path("/sys/class/net", second.dev_a).exists()
+
+
 def test_ranks_with_different_weights_refuse_to_start(tmp_path):
     run = _torchrun(2, "full", str(tmp_path / "swap"), str(tmp_path / "out.pt"), "1", "4",
                     "--other-seed-on-rank", "1")

