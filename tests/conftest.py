@@ -44,6 +44,10 @@ os.environ["DOCTUNE_BASE_MODEL"] = str(TINY_MODEL)
 os.environ.pop("DATABASE_URL", None)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never download anything
+if os.environ.get("PYTEST_XDIST_WORKER"):  # test processes side by side (make test: pytest -n)
+    # share the cores: one torch thread each, and in what they start (oversubscribed,
+    # OpenMP's waiting threads made single tests up to 12x slower on 2 cores)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_sessionfinish(session, exitstatus):
