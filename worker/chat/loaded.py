@@ -175,10 +175,14 @@ class ChatModels:
         return self._base
 
     def close(self) -> None:
-        """Stop the engines of streamed models (their swap files go)."""
+        """Stop the engines of streamed models (their swap files go) and close the cache
+        stores (their I/O threads; this process's index of the folder goes with the last)."""
         for streamed in self._streamed.values():
             streamed.close()
         self._streamed.clear()
+        for store in self._stores.values():
+            store.close()
+        self._stores.clear()
 
     def _store(self, fingerprint: str) -> KVStore | None:
         if self.cache_dir is None:

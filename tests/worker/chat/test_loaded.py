@@ -195,13 +195,16 @@ def test_a_deleted_conversations_cache_goes_with_it(tiny_base_model):
                         settings.chat_cache_dir, cache_bytes=1 << 30)
     tok = AutoTokenizer.from_pretrained(tiny_base_model)
     prompt = turn_ids(tok, [], [{"role": "user", "content": QUESTION + " (deleted)"}])
-    with models.use(Version(None)) as loaded:
-        first = generate(loaded.model, tok, loaded.store, prompt, max_new_tokens=8)
-        history = history_after(prompt, first.ids, tok)
-        keep(loaded.model, loaded.store, history, first.cache)
-        assert loaded.store.match(history) == len(history)
-    assert reply._models is None
-    assert reply.forget(None, history) > 0
-    assert reply._models is None  # nothing kept loaded for a deletion
-    with models.use(Version(None)) as loaded:  # what other conversations share may stay
-        assert loaded.store.match(history) < len(history)
+    try:
+        with models.use(Version(None)) as loaded:
+            first = generate(loaded.model, tok, loaded.store, prompt, max_new_tokens=8)
+            history = history_after(prompt, first.ids, tok)
+            keep(loaded.model, loaded.store, history, first.cache)
+            assert loaded.store.match(history) == len(history)
+        assert reply._models is None
+        assert reply.forget(None, history) > 0
+        assert reply._models is None  # nothing kept loaded for a deletion
+        with models.use(Version(None)) as loaded:  # what other conversations share may stay
+            assert loaded.store.match(history) < len(history)
+    finally:  # an open store keeps this process's index of the folder: a later test in the
+        models.close()  # same process would not see what the chat worker writes there
