@@ -7,9 +7,10 @@ joined by a veth pair whose link is shaped like a slow network (tc). For the tes
 
 Node A is this namespace at 10.77.<n>.1 on veth `dta<n>`, node B the namespace `dtb<n>` at
 10.77.<n>.2 on `dtb<n>`; <n> is the first number from the process id's on that no other
-run holds (a lock file each), so runs side by side do not clash. Traffic between them stays on those addresses. The link's rate is a token bucket (tbf) on
-both ends; a delay needs the kernel's netem qdisc, which not every kernel has: without it
-the delay is left out and `applied` says so (never claimed)."""
+run holds (a lock file each), so runs side by side do not clash. Traffic between them stays
+on those addresses. The link's rate is a token bucket (tbf) on both ends; a delay needs the
+kernel's netem qdisc, which not every kernel has: without it the delay is left out and
+`applied` says so (never claimed)."""
 
 from __future__ import annotations
 

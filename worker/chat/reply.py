@@ -273,10 +273,11 @@ def forget(job_id: int | None, token_ids: list[int]) -> int:
             method = job.method if job is not None else "lora"
     # The models as they are; none loaded yet: without reaching for another machine (the
     # second stage's files of an earlier run wait for its disk cap).
+    version, ids = Version(job_id, method), [int(t) for t in token_ids]
     if _models is not None:
-        return _models.forget(Version(job_id, method), [int(t) for t in token_ids])
-    models = _load_models(None)
+        return _models.forget(version, ids)
+    models = _load_models(None)  # made for this alone: closed after (its stores' threads)
     try:
-        return models.forget(Version(job_id, method), [int(t) for t in token_ids])
-    finally:  # made for this alone: its store's I/O threads and index go with it
+        return models.forget(version, ids)
+    finally:
         models.close()

@@ -8,6 +8,7 @@ fact and asks it, as a colleague would, next to the base model."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,6 @@ def test_a_deleted_conversations_cache_goes_with_it(tiny_base_model):
             assert loaded.store.match(history) < len(history)
     finally:  # an open store keeps this process's index of the folder: a later test in the
         models.close()  # same process would not see what the chat worker writes there
+    from offload.kvcache import _ledger  # nothing left open, forget's own models included
+
+    assert os.path.realpath(settings.chat_cache_dir) not in _ledger._LEDGERS
