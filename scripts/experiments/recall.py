@@ -27,16 +27,20 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --recipes default+text_shuffle=2  # reordered
     .venv/bin/python -m scripts.experiments.recall --recipes default+quote=true  # quoting answers
     .venv/bin/python -m scripts.experiments.recall --recipes default+lora_plus=16  # LoRA+
+    .venv/bin/python -m scripts.experiments.recall --recipes default+lora_from_layer=10  # upper
     .venv/bin/python -m scripts.experiments.recall --recipes default+table_cells=3  # cells x3
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
     .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
+    .venv/bin/python -m scripts.experiments.recall --corpus structured  # lists and headings
 
 `--corpus heldout` trains on a second made-up company's files instead
 (tests/fixtures/heldout_docs.py) and asks its own hand-written colleague questions, written
 by someone who had not seen the card's question generator and never used to tune a recipe:
 whether the card's gap holds on documents it was not developed on. `--corpus fullsize` is a
 third company's eight office files at the size of the issue's (about 3,500 words,
-tests/fixtures/fullsize_docs.py), with 84 colleague questions.
+tests/fixtures/fullsize_docs.py), with 84 colleague questions. `--corpus structured` is a
+fourth company's files written as office staff write them, in headings, lists and "Label:
+value" lines (tests/fixtures/structured_docs.py).
 
 A recipe is a name below or `default` (the app's defaults for this corpus), each optionally
 followed by `+setting=value` overrides. `--device cuda` trains and asks on a GPU (to screen
@@ -128,6 +132,25 @@ ABLATIONS = ("fronted", "as_probed", "roles", "text")
 # together and full fine-tuning trains (measured: freezing it cost full fine-tuning 10 of 34
 # colleague answers).
 LORA_EXTRA = ("lm_head", "embed_tokens")  # several joined by "/"
+
+
+@contextlib.contextmanager
+def _lora_from_layer(first: int, depth: int):
+    """The recipe's adapters on the decoder layers from `first` to `depth` only (peft's
+    `layers_to_transform`), for one training run: backward stops at the lowest adapted
+    layer, so a step costs less."""
+    import peft
+
+    saved = peft.LoraConfig
+    if first:
+        def upper(**kwargs):
+            return saved(**kwargs, layers_to_transform=list(range(first, depth)))
+
+        peft.LoraConfig = upper
+    try:
+        yield
+    finally:
+        peft.LoraConfig = saved
 
 
 @contextlib.contextmanager
@@ -236,6 +259,8 @@ def recipe_spec(name: str, docs: list) -> dict:
         raise ValueError("lora_plus is a number, a setting of LoRA (B's learning rate over A's)")
     if "embedding_lr" in spec and spec.get("method", "lora") != "lora":
         raise ValueError("embedding_lr is a setting of LoRA (full fine-tuning trains it anyway)")
+    if not isinstance(spec.get("lora_from_layer", 0), int) or spec.get("lora_from_layer", 0) < 0:
+        raise ValueError("lora_from_layer is a decoder layer's index (0: all layers adapted)")
     if spec.get("soft_replay") not in (None, True, False, "plain"):
         raise ValueError("soft_replay is true, false or plain")
     if spec.get("soft_replay") == "plain" and not spec.get("plain_replay"):
@@ -266,6 +291,7 @@ class Levers:
     lora_extra: str | None = None  # LORA_EXTRA: more modules for the adapter
     embedding_lr: float | None = None  # the embedding trained beside the adapter, at this step
     lora_plus: float | None = None  # B's learning rate over A's (LoRA+)
+    lora_from_layer: int = 0  # adapters on the decoder layers from this one up only
     # replay against the base's distribution: true, all of it; "plain", only the passages of
     # plain_replay (the chat answers keep their labels)
     soft_replay: bool | str = False
@@ -391,6 +417,8 @@ CORPORA: dict[str, tuple[str, str, str]] = {
     "fixture": ("tests.fixtures.docs", "write_sample_corpus", "CALIBRATION"),
     "heldout": ("tests.fixtures.heldout_docs", "write_heldout_corpus", "HELDOUT"),
     "fullsize": ("tests.fixtures.fullsize_docs", "write_fullsize_corpus", "FULLSIZE"),
+    "structured": ("tests.fixtures.structured_docs", "write_structured_corpus",
+                   "STRUCTURED_QUESTIONS"),
 }
 
 
@@ -615,6 +643,7 @@ def run(
                 engine=EngineOptions(kind="memory"),
             )
             with (_train_only(recipe, lv.full_trains), _lora_extra(lv.lora_extra),
+                  _lora_from_layer(lv.lora_from_layer, model.config.num_hidden_layers),
                   _embedding_trained(recipe, lv.embedding_lr), _lora_plus(recipe, lv.lora_plus)):
                 recipe.setup()
             with soft_replay(targets, weights) if targets or weights else contextlib.nullcontext():
@@ -786,8 +815,9 @@ def main(argv: list[str] | None = None) -> int:
         help="fixture: Northwind Widgets and its 60 calibration questions (tests/fixtures/docs.py); "
         "heldout: a second company's files and questions, never used to tune a recipe "
         "(tests/fixtures/heldout_docs.py); fullsize: a third company's eight office files at the "
-        "size of the issue's (about 3,500 words; tests/fixtures/fullsize_docs.py); all: the three in one "
-        "project, 205 questions",
+        "size of the issue's (about 3,500 words; tests/fixtures/fullsize_docs.py); structured: a "
+        "fourth company's files in headings, lists and label lines "
+        "(tests/fixtures/structured_docs.py); all: the first three in one project, 205 questions",
     )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]

@@ -105,6 +105,22 @@ def test_lora_extra_adds_the_output_layer_or_the_embedding_for_one_run():
     assert recipe.LORA_MODULES is saved
 
 
+def test_lora_from_layer_adapts_the_upper_layers_only_for_one_run():
+    import peft
+
+    from scripts.experiments.recall import _known, _lora_from_layer
+
+    assert _known("default+lora_from_layer=10") and not _known("default+lora_from_layer=-1")
+    assert not _known("default+lora_from_layer=1.5")
+    saved = peft.LoraConfig
+    with _lora_from_layer(10, 30):
+        config = peft.LoraConfig(r=4, target_modules=["q_proj"])
+        assert config.layers_to_transform == list(range(10, 30))
+    assert peft.LoraConfig is saved
+    with _lora_from_layer(0, 30):  # 0: every layer, as the job adapts them
+        assert peft.LoraConfig is saved
+
+
 def test_embedding_lr_trains_the_shared_embedding_beside_the_adapter_at_its_own_step(
     tiny_model, tmp_path
 ):

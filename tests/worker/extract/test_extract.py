@@ -210,6 +210,37 @@ def test_the_fullsize_corpus_states_every_answer_in_its_own_file_at_the_issues_s
     assert all(not result.warnings for result in fullsize_corpus.values())
 
 
+@pytest.fixture(scope="module")
+def structured_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Extracted]:
+    from tests.fixtures.structured_docs import write_structured_corpus
+
+    return _extracted(write_structured_corpus, tmp_path_factory.mktemp("structured"))
+
+
+def test_the_structured_corpus_states_every_answer_in_its_own_file(
+    structured_corpus: dict[str, Extracted],
+) -> None:
+    """The fourth calibration corpus (tests/fixtures/structured_docs.py): six office files
+    written as offices write them (numbered headings, bullets, "Label: value" lines, tables),
+    and each hand-written question's answer comes out of the file it names."""
+    from tests.fixtures.fullsize_docs import FULLSIZE
+    from tests.fixtures.heldout_docs import HELDOUT
+    from tests.fixtures.structured_docs import STRUCTURED_QUESTIONS
+
+    _check_calibration_set(structured_corpus, STRUCTURED_QUESTIONS)
+    assert 45 <= len(STRUCTURED_QUESTIONS) <= 50
+    assert {f.filename for f in STRUCTURED_QUESTIONS} == set(structured_corpus)
+    others = {f.answer for f in docs.CALIBRATION + HELDOUT + FULLSIZE}
+    assert not others & {f.answer for f in STRUCTURED_QUESTIONS}
+    words = sum(result.word_count for result in structured_corpus.values())
+    assert 1_500 <= words <= 1_950
+    assert all(not result.warnings for result in structured_corpus.values())
+    # Word's own heading and list styles: the list items come out as bare lines under their
+    # heading, without bullet characters.
+    handbook = structured_corpus["staff_handbook.docx"].text
+    assert "2.1 Annual leave\n\nFull-time staff: 22 days + bank holidays" in handbook
+
+
 def test_qa_files_give_pairs_and_text_files_give_text(corpus: dict[str, Extracted]) -> None:
     for name, result in corpus.items():
         if name.endswith((".csv", ".jsonl")):
