@@ -27,8 +27,8 @@ from worker.dataset.probes import (
     _candidates_for_doc,
     _find_spans,
     contains_answer,
+    fact_sentences,
     normalise,
-    split_sentences,
     usable_sentence,
 )
 from worker.dataset.questions import (
@@ -128,7 +128,8 @@ def well_formed(question: str, answer: str) -> bool:
     if not q.endswith("?") or not _WH_START.match(q) or q.count("?") != 1:
         return False
     words = q[:-1].split()
-    if not 3 <= len(words) <= _MAX_WORDS or any(ch in q for ch in ':;|_"“”()'):
+    # "—" joins a list item to its heading (probes.fact_sentences): no one asks that way.
+    if not 3 <= len(words) <= _MAX_WORDS or any(ch in q for ch in ':;|_"“”()—'):
         return False
     if ". " in q:  # two sentences: a question leaning on a context sentence
         return False
@@ -454,7 +455,7 @@ def reverse_questions(fact_sentence: str, context: str, source: str) -> list[Ask
 
 def document_reverse_questions(source: str, text: str) -> list[tuple[int, Asked]]:
     """(sentence position, question) of every reverse question of one document."""
-    sentences = split_sentences(text)
+    sentences = fact_sentences(text)
     out: list[tuple[int, Asked]] = []
     for i, sentence in enumerate(sentences):
         if usable_sentence(sentence):

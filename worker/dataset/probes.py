@@ -27,7 +27,7 @@ _ABBREVIATIONS = _words(
     """
     mr mrs ms dr prof sr jr st no nr vs etc inc ltd co corp approx dept est fig e.g i.e cf
     al jan feb mar apr jun jul aug sep sept oct nov dec mon tue wed thu fri sat sun p pp vol
-    art sec ref
+    art sec ref ext tel incl excl min max qty
     """
 )
 
@@ -35,7 +35,8 @@ _MONTHS = (
     "January|February|March|April|May|June|July|August|September|October|November|December"
     "|Jan|Feb|Mar|Apr|Jun|Jul|Aug|Sep|Sept|Oct|Nov|Dec"
 )
-_DAY_NAMES = {"monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"}
+_DAY_NAMES = {"monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday",
+              "mon", "tue", "tues", "wed", "thu", "thur", "thurs", "fri", "sat", "sun"}
 _MONTH_NAMES = {m.lower() for m in _MONTHS.split("|")}
 
 # Lower-case words that are not a unit after a number ("3 of 10", "5 and").
@@ -179,12 +180,104 @@ def split_sentences(text: str) -> list[str]:
     return [s for s in sentences if s]
 
 
+# A list item's marker ("•", "-", "1.", "a)", "(iv)") and a heading's section number
+# ("3.2 Sickness", "4. Expenses", "A. Scope").
+_LIST_MARKER = re.compile(
+    r"^(?:[•●○◦▪■▫►▸‣⁃·*\-–—]|\(?(?:\d{1,2}|[a-z]|[ivx]{1,4})[.)])\s+"
+)
+_SECTION_NUMBER = re.compile(r"^(?:\d{1,2}(?:\.\d{1,2})*\.?|[A-Z][.)])\s+(?=[A-Z])")
+# "HR Manager: Priya Nandakumar", "Full-time staff: 25 days": a label, then what it is.
+_LABEL_LINE = re.compile(r"^[A-Z][^:\n|]{0,40}:\s+\S")
+_MAX_HEADING_WORDS = 8
+_END = (".", "!", "?", ":", ";", ",")
+
+
+def fact_sentences(text: str) -> list[str]:
+    """The sentences that can state a fact, as office files write them: split_sentences'
+    sentences, where a list item ("• Full-time staff: 25 days"), a "Label: value" line or a
+    fragment holding a figure ("Mon–Fri 8:30–17:00") is read under the heading it sits
+    beneath ("Annual leave — Full-time staff: 25 days.") and without its marker: the item
+    alone does not say what it is about, and a colleague asks with the heading's words.
+    The lines of a table (" | " cells, or paragraphs of the same "Header: value" lines:
+    worker.dataset.tables) are left as they are; a heading is not a sentence of its own."""
+    out: list[str] = []
+    heading = ""
+    paragraphs = re.split(r"\n\s*\n", text)
+    labels = [_record_labels(p) for p in paragraphs]
+    for n, para in enumerate(paragraphs):
+        record = labels[n] is not None and labels[n] in (
+            labels[n - 1] if n > 0 else None, labels[n + 1] if n + 1 < len(labels) else None)
+        lines = [ln.strip() for ln in para.split("\n") if ln.strip()]
+        if record or any(" | " in ln for ln in lines):
+            out += split_sentences(para)
+            continue
+        prose: list[str] = []
+        for i, line in enumerate(lines):
+            item = _LIST_MARKER.sub("", line)
+            marked = item != line
+            if not marked and _is_heading(line, i + 1 < len(lines) or n + 1 < len(paragraphs)):
+                out += split_sentences("\n".join(prose))
+                prose = []
+                heading = _SECTION_NUMBER.sub("", line)
+                continue
+            if marked or _LABEL_LINE.match(item) or (
+                    not item.endswith(_END) and _figures(item)):
+                out += split_sentences("\n".join(prose))
+                prose = []
+                parts = split_sentences(item)  # "1. Results. Sales rose 4%.": sentences
+                out += [_under(heading, item)] if len(parts) == 1 else parts
+            else:
+                prose.append(line)
+        out += split_sentences("\n".join(prose))
+    return out
+
+
+def _record_labels(para: str) -> tuple[str, ...] | None:
+    """The labels of a paragraph made only of "Label: value" lines (two or more)."""
+    lines = [ln.strip() for ln in para.split("\n") if ln.strip()]
+    found = [re.match(r"^([^:\n]{1,40}):\s+\S", ln) for ln in lines]
+    if len(lines) < 2 or not all(found):
+        return None
+    return tuple(m.group(1).strip().casefold() for m in found if m)
+
+
+def _is_heading(line: str, followed: bool) -> bool:
+    """A short line of words that ends without punctuation, holds no figure and has text
+    after it: "3.1 Annual leave", "Contacts", "IT support"."""
+    bare = _SECTION_NUMBER.sub("", line)
+    words = bare.split()
+    return (
+        followed
+        and 1 <= len(words) <= _MAX_HEADING_WORDS
+        and bare[:1].isupper()
+        and not bare.endswith(_END)
+        and not _LABEL_LINE.match(bare)
+        and _letters_ratio(bare) >= 0.7
+        and not _figures(bare)
+    )
+
+
+def _figures(line: str) -> list[tuple[int, int, str]]:
+    """The spans of `line` other than names (a heading is written in capitals)."""
+    return [span for span in _find_spans(line) if span[2] != "name"]
+
+
+def _under(heading: str, item: str) -> str:
+    """An item as one sentence: under its heading (unless it starts with the heading's
+    words already), ending in a full stop."""
+    if not item.endswith((".", "!", "?")):
+        item = item.rstrip(",;: ") + "."
+    if heading and not _folded(item).startswith(_folded(heading)):
+        return f"{heading} — {item}"
+    return item
+
+
 def _split_block(block: str) -> list[str]:
     out: list[str] = []
     start = 0
     for m in re.finditer(r"[.!?][\"')\]’”]*\s+(?=[\"'(\[‘“]?[A-Z0-9])", block):
         before = block[start : m.start()]
-        last_word = re.split(r"\s", before)[-1].lower().rstrip(".") if before else ""
+        last_word = re.split(r"\s", before)[-1].lower().strip("([{\"'‘“").rstrip(".") if before else ""
         if block[m.start()] == "." and (
             last_word in _ABBREVIATIONS or re.fullmatch(r"[a-z]", last_word or "x")
         ):
@@ -386,7 +479,7 @@ def usable_sentence(sentence: str) -> bool:
 def _candidates_for_doc(doc: int, text: str) -> list[list[_Candidate]]:
     """Per usable sentence, its candidate probes, best first (a span with at least a few
     words before it, then the more distinctive kind, then the later span)."""
-    sentences = split_sentences(text)
+    sentences = fact_sentences(text)
     lowered = set(re.findall(r"\b[a-z][\w'’-]*", text))  # words the document writes in lower case
     out: list[list[_Candidate]] = []
     for i, sentence in enumerate(sentences):
@@ -412,8 +505,9 @@ def _make_candidate(
     sentence = sentences[i]
     answer = sentence[s:e].strip()
     prefix = sentence[:s].rstrip()
-    # The span is the first word: nothing in the sentence to condition on.
-    if not re.search(r"[A-Za-z]{2,}", prefix):
+    # The span is the first word (after the heading an item is read under): nothing in the
+    # sentence to condition on.
+    if not re.search(r"[A-Za-z]{2,}", prefix.rsplit(" —", 1)[-1]):
         return None
     if len(normalise(answer)) < 2:
         return None

@@ -16,7 +16,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from worker.dataset.probes import split_sentences
+from worker.dataset.probes import fact_sentences
 
 # The head nouns of job titles ("Operations Manager", "workshop lead", "Head of Logistics").
 ROLE_NOUNS = {
@@ -105,6 +105,26 @@ def _role_before(text: str) -> str | None:
     return None
 
 
+# Who chairs a meeting or owns an action, named as a label ("Chair: ...", "Owner: ..."):
+# a part in the minutes, not a job.
+_MEETING_PARTS = {"chair", "chairman", "chairwoman", "chairperson", "owner"}
+
+
+def _listed_role(before: str, after: str) -> str | None:
+    """A contact list's job title: "HR Manager: Priya Nandakumar", "Priya Nandakumar –
+    HR Manager", "Priya Nandakumar (HR Manager)" (a heading before " — " left out)."""
+    role = None
+    if before.endswith(": "):
+        label = before[:-2].rsplit(" — ", 1)[-1].strip()
+        label = re.sub(r"^(?:the|our) ", "", label, flags=re.IGNORECASE)
+        if _role_words(label.split()):
+            role = label
+    m = re.match(r"^(?: [–-] | \()([A-Z][^,.;:()–]*?)(?:\)|[,.;]|$)", after)
+    if role is None and m and _role_words(m.group(1).split()):
+        role = m.group(1).strip()
+    return None if role is None or role.casefold() in _MEETING_PARTS else role
+
+
 def roles_in(sentence: str, source: str) -> list[Role]:
     """Every person named beside their job in `sentence`."""
     out: list[Role] = []
@@ -124,6 +144,8 @@ def roles_in(sentence: str, source: str) -> list[Role]:
             role = _role_after(after[2:])
         if role is None and before.endswith(", ") and after[:1] in ("", ",", ".", ";", ")"):
             role = _role_before(before[:-2])
+        if role is None:
+            role = _listed_role(before, after)
         if role is not None:
             out.append(Role(" ".join(words), role, sentence, source))
     return out
@@ -135,7 +157,7 @@ def document_roles(source: str, text: str) -> list[tuple[int, Role]]:
     (which one a colleague means cannot be told)."""
     found: list[tuple[int, Role]] = []
     seen: set[tuple[str, str]] = set()
-    for i, sentence in enumerate(split_sentences(text)):
+    for i, sentence in enumerate(fact_sentences(text)):
         for r in roles_in(sentence, source):
             key = (r.name, r.role.casefold())
             if key not in seen:

@@ -208,6 +208,8 @@ def test_malformed_or_sentence_copying_questions_are_not_asked(text):
         "Which date and 20 December engineers may only take leave?",
         "Where does Store your password?",
         "Who are the operating hours shown under?",
+        # A list item read under its heading (probes.fact_sentences), asked as it is read.
+        "Who does Practice meeting – minutes — 2 trainee posts?",
     ],
 )
 def test_not_well_formed(question):

@@ -8,6 +8,8 @@ from worker.dataset.colleague import make_probes
 from worker.dataset.probes import (
     _candidates_for_doc,
     contains_answer,
+    fact_sentences,
+    fact_spans,
     gives_answer,
     normalise,
     split_sentences,
@@ -132,6 +134,70 @@ def test_split_sentences_handles_abbreviations_and_wrapped_lines():
         "Next item",
         "New paragraph here.",
     ]
+
+
+STRUCTURED = """Leave Policy
+
+3.1 Annual leave
+• Full-time staff: 25 days per year, plus bank holidays
+• part-time staff receive leave pro rata
+1. Carry-over. Up to 5 days can be carried into the next year.
+
+3.2 Sickness
+If you are ill, phone your line manager before 9:30 on your first day of absence.
+
+Contacts
+HR Manager: Priya Nandakumar (ext. 214)
+Office hours: Mon–Fri 8:30–17:00
+
+Product: Kelvin Desk
+Price: £420
+
+Product: Arden Chair
+Price: £185
+"""
+
+
+def test_fact_sentences_read_items_under_their_heading():
+    """Office files' lists, "Label: value" lines and figures without a verb are read under
+    the heading above them, without their markers; headings are no sentences; prose, a
+    numbered item of whole sentences and a table's records stay as split_sentences has
+    them."""
+    assert fact_sentences(STRUCTURED) == [
+        "Annual leave — Full-time staff: 25 days per year, plus bank holidays.",
+        "Annual leave — part-time staff receive leave pro rata.",
+        "Carry-over.",
+        "Up to 5 days can be carried into the next year.",
+        "If you are ill, phone your line manager before 9:30 on your first day of absence.",
+        "Contacts — HR Manager: Priya Nandakumar (ext. 214).",
+        "Contacts — Office hours: Mon–Fri 8:30–17:00.",
+        "Product: Kelvin Desk",
+        "Price: £420",
+        "Product: Arden Chair",
+        "Price: £185",
+    ]
+    # Word's headings and list items come out a paragraph each (worker.extract.office).
+    assert fact_sentences("2.1 Annual leave\n\nFull-time staff: 22 days\n\nLunch: 45 minutes"
+                          "\n\n2.2 Sickness\n\nCall in by 9:15 on the first day") == [
+        "Annual leave — Full-time staff: 22 days.",
+        "Annual leave — Lunch: 45 minutes.",
+        "Sickness — Call in by 9:15 on the first day.",
+    ]
+    # Prose with no heading, list or label is read exactly as split_sentences reads it.
+    prose = HANDBOOK.split("\n\n", 1)[1]
+    assert fact_sentences(prose) == split_sentences(prose)
+
+
+def test_an_item_s_fact_is_asked_with_its_heading_s_words():
+    facts = {
+        f.sentence[f.start:f.end]: f.sentence
+        for f in fact_spans([("handbook.docx", STRUCTURED)])
+    }
+    assert facts["25 days"].startswith("Annual leave — ")
+    assert facts["214"] == facts["Priya Nandakumar"]  # "ext. 214" no longer ends a sentence
+    # A label after the heading is the item's first word, not a name to ask for.
+    assert "Contacts" not in facts and "Office" not in facts and "HR Manager" not in facts
+    assert "Mon" not in facts and facts["8:30"].endswith("Office hours: Mon–Fri 8:30–17:00.")
 
 
 def test_contains_answer_matches_whole_words_after_normalising():

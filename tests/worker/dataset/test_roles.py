@@ -38,6 +38,14 @@ def _pairs(sentence: str) -> list[tuple[str, str]]:
           "Manager; Dana Ruiz, Head of Logistics."),
          [("Delphine Ashgrove", "Managing Director"), ("Oren Blackstock", "Finance Manager"),
           ("Dana Ruiz", "Head of Logistics")]),
+        # A contact list's lines, as fact_sentences reads them under their heading.
+        ("Contacts — HR Manager: Priya Nandakumar (ext. 214).",
+         [("Priya Nandakumar", "HR Manager")]),
+        ("Our Office Manager: Tomasz Welling.", [("Tomasz Welling", "Office Manager")]),
+        ("Key people — Priya Nandakumar – Finance Director, ext. 5.",
+         [("Priya Nandakumar", "Finance Director")]),
+        ("Send it to Tomasz Welling (Facilities Coordinator) by Friday.",
+         [("Tomasz Welling", "Facilities Coordinator")]),
     ],
 )
 def test_a_person_named_beside_their_job(sentence, expected):
@@ -57,6 +65,11 @@ def test_a_person_named_beside_their_job(sentence, expected):
         "Ask the Operations Manager, who signs off overtime.",
         # Half of a longer phrase: "Service Manager" is not followed by its end.
         "Ring Dana Ruiz, Service Manager cover rota holder, on Mondays.",
+        # Who chairs a meeting is not a job; a label that is no job title names none.
+        "Present: Ottilie Brannock (chair), Hollis Fenwright, Imogen Tresco.",
+        "Minutes — Note: Priya Nandakumar will call back.",
+        "Practice meeting — Chair: Rhiannon Tewksbury.",
+        "Actions — Owner: Piotr Lindqvist.",
     ],
 )
 def test_no_person_and_job_where_there_is_none(sentence):
