@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from worker.dataset.answer_forms import value_form
 from worker.dataset.questions import Fact
+from worker.dataset.tables import record_cells
 
 
 def _words(text: str) -> frozenset[str]:
@@ -233,12 +234,10 @@ def fact_sentences(text: str) -> list[str]:
 
 
 def _record_labels(para: str) -> tuple[str, ...] | None:
-    """The labels of a paragraph made only of "Label: value" lines (two or more)."""
-    lines = [ln.strip() for ln in para.split("\n") if ln.strip()]
-    found = [re.match(r"^([^:\n]{1,40}):\s+\S", ln) for ln in lines]
-    if len(lines) < 2 or not all(found):
-        return None
-    return tuple(m.group(1).strip().casefold() for m in found if m)
+    """The labels of a paragraph made only of "Label: value" lines (worker.dataset.tables'
+    records), None for any other paragraph."""
+    cells = record_cells(para)
+    return None if cells is None else tuple(h.casefold() for h, _ in cells)
 
 
 def _is_heading(line: str, followed: bool) -> bool:

@@ -77,6 +77,16 @@ def _pipe_tables(text: str) -> list[list[list[str]]]:
 _RECORD_LINE = re.compile(r"^([^:\n]{1,40}):\s+(\S.*)$")
 
 
+def record_cells(para: str) -> list[tuple[str, str]] | None:
+    """(header, value) of each line of a paragraph made only of "Header: value" lines (two
+    or more: one table row as the readers write records); None for any other paragraph."""
+    lines = [ln.strip() for ln in para.strip().splitlines() if ln.strip()]
+    matches = [_RECORD_LINE.match(ln) for ln in lines]
+    if len(lines) < 2 or not all(matches):
+        return None
+    return [(m.group(1).strip(), m.group(2).strip()) for m in matches if m]
+
+
 def _record_tables(text: str) -> list[list[list[str]]]:
     """Consecutive paragraphs that are all "Header: value" lines with the same headers."""
     tables: list[list[list[str]]] = []
@@ -88,14 +98,13 @@ def _record_tables(text: str) -> list[list[list[str]]]:
             tables.append([headers, *rows])
 
     for para in re.split(r"\n\s*\n", text):
-        lines = [ln.strip() for ln in para.strip().splitlines() if ln.strip()]
-        matches = [_RECORD_LINE.match(ln) for ln in lines]
-        if len(lines) < 2 or not all(matches):
+        cells = record_cells(para)
+        if cells is None:
             flush()
             headers, rows = None, []
             continue
-        these = [m.group(1).strip() for m in matches if m]
-        values = [m.group(2).strip() for m in matches if m]
+        these = [h for h, _ in cells]
+        values = [v for _, v in cells]
         if these != headers:
             flush()
             headers, rows = these, []
