@@ -20,12 +20,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 # Raise it when the plan's meaning changes (the dataset code counts differently).
-FORMAT = 4  # 2: predicting; 3: who holds which job practised (worker/dataset/roles.py);
-# 4: and in question-answer pairs' answers
+FORMAT = 5  # 2: predicting; 3: who holds which job practised (worker/dataset/roles.py);
+# 4: and in question-answer pairs' answers; 5: the passes set from the dataset's tokens
 # The job settings the dataset and its batches depend on (app.contract.training names them;
 # batch size and grouping are the recipe's fixed defaults).
 PLAN_PARAMS = ("max_seq_len", "generated_qa", "replay", "epochs", "seed", "holdout_frac",
-               "max_probes")
+               "max_probes", "auto")
 
 
 def plan_key(base_model: str, docs: Iterable[tuple[int, str]], params: Mapping[str, Any]) -> str:
@@ -59,6 +59,9 @@ class DatasetPlan(BaseModel):
     epochs: int
     steps: int
     tokens: int  # real (unpadded) tokens over all steps
+    # of one pass over the dataset, without the replay answers: what the passes are set from
+    # (app.contract.training.settle)
+    train_tokens: int
     # (rows, padded width, number of steps of that shape) over all steps
     shapes: list[tuple[int, int, int]] = Field(default_factory=list)
     # per shape (same order): its steps' positions whose next token is a label, summed; the

@@ -78,15 +78,31 @@ REPLAY = 16  # everyday requests the base model answers once, trained on too (wo
 # depending on the seed), and a perplexity over one or two chunks says little.
 HOLDOUT_FROM_WORDS = 5_000
 HOLDOUT_FRAC = 0.1  # the share held out above it (worker.dataset.build)
-# From this size (words, and 30 a question-answer pair) the default reads the documents
-# twice: three passes of a corpus this size would take about 10 minutes on 2 cores.
-TWO_PASSES_FROM = 2_500
-# LoRA's step. Read twice (from TWO_PASSES_FROM), a fact is learned at twice the step, about
-# as hard as in 3 or 4 passes at 1e-3: at the issue's size (tests/fixtures/fullsize_docs.py)
-# 14, 15 and 16 of 84 colleague questions right against 9, 10 and 10 (seeds 0-2), general
-# perplexity 18-20% above the base model's against 3-9% (README "What the practice reaches").
+# How many passes the default reads the documents, from the tokens of the training examples
+# they make (document text, practice questions, question-answer pairs; not the fixed replay):
+# four where four keep the tokens read under PASS_TOKENS, else two. Set once the job's
+# dataset is built (worker.jobs.pipeline.settled_job), since the same words make twice the
+# tokens when they are lists and "Label: value" lines (each a fact practised) instead of
+# prose: 13,848 from Northwind's 862 words (four passes), 32,902 from Brindle Oakes' 1,621
+# (four took 15-33 minutes of training on a 2-core AMD EPYC; two, 13.6 on the slow hour, as
+# many colleague answers), 37,526 from Saltgrove's 3,111 (two). No three: on both companies
+# measured, three passes at 1e-3 put the card 12-15 points above the colleagues (two passes
+# at 2e-3: within 6) without more answers. README "Passes from the tokens the documents make".
+PASS_TOKENS = 80_000
+# Before the dataset is built (the Train panel before the worker counted its plan): tokens
+# guessed from the words, as the fixture corpora make them (13.7-16.5 tokens a word with the
+# practice questions, 11.7 for Saltgrove's longer prose; a question-answer pair about 60).
+TRAIN_TOKENS_PER_WORD = 15
+TRAIN_TOKENS_PER_QA = 60
+# The settings the job's dataset decides unless the user chose them (Job.params["auto"]).
+AUTO = "auto"
+# LoRA's step. Read twice, a fact is learned at twice the step, about as hard as in 3 or 4
+# passes at 1e-3: at the issue's size (tests/fixtures/fullsize_docs.py) 14, 15 and 16 of 84
+# colleague questions right against 9, 10 and 10 (seeds 0-2), general perplexity 18-20%
+# above the base model's against 3-9% (README "What the practice reaches").
 LORA_LR = 1e-3
 LORA_LR_TWO_PASSES = 2e-3
+FULL_LR = 2e-5  # full fine-tuning: one step for any number of passes
 CHECKPOINT_EVERY = 25  # optimizer steps between a job's checkpoints (also at every epoch end)
 
 
@@ -113,34 +129,60 @@ def checkpoints_after(step: int, total_steps: int, steps_per_epoch: int,
     return count + (not (total_steps % every == 0 or total_steps % spe == 0))
 
 
+def passes_for(train_tokens: int) -> int:
+    """The default's passes over a dataset of `train_tokens` tokens (PASS_TOKENS)."""
+    return 4 if 4 * train_tokens <= PASS_TOKENS else 2
+
+
+def learning_rate_for(method: str, epochs: int) -> float:
+    """The default step of `method` over `epochs` passes."""
+    if method != "lora":
+        return FULL_LR
+    return LORA_LR_TWO_PASSES if epochs <= 2 else LORA_LR
+
+
 def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
     """Defaults that finish in minutes on a CPU with the embedded 135M model.
 
-    Small corpora need more passes to be learned at all; large ones fewer, so the
-    number of optimizer steps (and the wall time) stays roughly bounded. The practice
-    questions multiply the examples (about 8x on the fixture corpus), so the passes are
-    fewer than text alone would need. Two passes from 2,500: at the size of a small
-    company's office files (tests/fixtures/fullsize_docs.py, 3,456 words) three took 12.4
-    minutes of training on a 2-core AMD EPYC, two 8.1, with as many colleague questions
-    right within a seed's spread, a card nearer to them and less forgetting (README "At the
-    size of a company's files").
+    Small datasets need more passes to be learned at all (Northwind: 21 of 60 colleague
+    questions on four passes, 10 on two); large ones fewer, at a larger LoRA step, so the
+    training time stays roughly bounded (PASS_TOKENS). The passes and LoRA's step here are guessed from the
+    words; the job sets them from its dataset's tokens (`settle`) unless the user chose
+    them (`AUTO` lists the ones left to the job; `chosen` takes the user's out).
     """
-    size = n_words + 30 * n_qa  # a Q&A pair is worth about one short paragraph
-    if size < 2_000:
-        epochs = 4
-    elif size < TWO_PASSES_FROM:
-        epochs = 3
-    else:
-        epochs = 2
+    epochs = passes_for(n_words * TRAIN_TOKENS_PER_WORD + n_qa * TRAIN_TOKENS_PER_QA)
     return {
         "method": method,
         "epochs": epochs,
         # LoRA adapters tolerate (and on tiny data need) a far larger step than full FT.
-        "learning_rate": (LORA_LR_TWO_PASSES if epochs == 2 else LORA_LR) if method == "lora"
-        else 2e-5,
+        "learning_rate": learning_rate_for(method, epochs),
         "lora_rank": 16,
         "max_seq_len": 256,
         "generated_qa": GENERATED_QA,
         "replay": REPLAY,
         "holdout_frac": HOLDOUT_FRAC if n_words >= HOLDOUT_FROM_WORDS else 0.0,
+        AUTO: ["epochs", "learning_rate"],
     }
+
+
+def chosen(params: dict, overrides: dict) -> dict:
+    """`params` (default_params) with the user's `overrides`: what they set is no longer
+    left to the job's dataset."""
+    left = [k for k in params.get(AUTO) or [] if k not in overrides]
+    mine = {**params, **overrides, AUTO: left}
+    if "learning_rate" in left and "epochs" in overrides:  # the step for the chosen passes
+        mine["learning_rate"] = learning_rate_for(str(mine.get("method")), int(mine["epochs"]))
+    return mine
+
+
+def settle(params: dict, train_tokens: int) -> dict:
+    """The settings `params` leaves to the dataset (AUTO), set for one of `train_tokens`
+    tokens: the passes, and the step for those passes (or for the passes the user chose)."""
+    auto = set(params.get(AUTO) or [])
+    settled = {}
+    if "epochs" in auto:
+        settled["epochs"] = passes_for(train_tokens)
+    if "learning_rate" in auto:
+        epochs = int(settled.get("epochs", params.get("epochs") or 1))
+        settled["learning_rate"] = learning_rate_for(str(params.get("method") or "lora"), epochs)
+    return settled

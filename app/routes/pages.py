@@ -68,7 +68,7 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
     session = object_session(project)
     corpus = projects_service.corpus_of(project)
     rows = documents_service.document_rows(project, include_retired=True)
-    defaults = jobs_service.defaults_for(corpus, "lora")
+    defaults = jobs_service.shown_defaults(project, corpus, "lora")
     fields = {}
     fmt = jobs_service.format_number
     for f in FIELDS:
@@ -91,7 +91,7 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
         "docs_stamp": documents_service.docs_stamp(session, project.id),
         "reason": jobs_service.readiness(corpus),
         "defaults": defaults,
-        "defaults_full": jobs_service.defaults_for(corpus, "full"),
+        "defaults_full": jobs_service.shown_defaults(project, corpus, "full"),
         "plan": planner.estimates_for(corpus, profile, load=False,
                                       history=planner.history(session), project=project),
         "plan_pending": profile is None or counting,  # the panel asks again shortly

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from app.contract.artifacts import ADAPTER, GGUF_F16, GGUF_Q8_0, MERGED
 from app.contract.results import export_errors
 from app.contract.tasks import TRAIN_TASK
-from app.contract.training import FIELDS, METHODS, default_params
+from app.contract.training import FIELDS, METHODS, chosen, default_params, settle
 from app.models import Job, JobState, Project
 from app.queue import enqueue_after_commit
 from app.services import planner
@@ -62,6 +62,15 @@ def readiness(corpus: Corpus) -> str | None:
 
 def defaults_for(corpus: Corpus, method: str = "lora") -> dict[str, Any]:
     return default_params(corpus.n_words, corpus.n_qa, method)
+
+
+def shown_defaults(project: Project, corpus: Corpus, method: str = "lora") -> dict[str, Any]:
+    """The defaults as the Train panel shows them: once the worker has counted the project's
+    dataset plan, with the passes and the step the job will set from its dataset (a job is
+    queued with defaults_for's, and sets them the same way when it starts)."""
+    params = defaults_for(corpus, method)
+    plan = planner.dataset_plan(project, corpus, params)
+    return params | settle(params, plan.train_tokens) if plan is not None else params
 
 
 def format_number(value: Any) -> str:
@@ -180,7 +189,7 @@ def create_job(
     if reason:
         raise InvalidInput(reason, {"train": reason})
     method, overrides = parse_train_form(form)
-    params = {**defaults_for(corpus, method), **overrides, "method": method}
+    params = chosen(defaults_for(corpus, method), overrides)
     # Continuing a version means continuing its weights: only a version of the same method.
     parent = None if start_from_base(form, project) else current_version(project)
     if parent is not None and parent.method != method:

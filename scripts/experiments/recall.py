@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from app.contract.training import LORA_MODULES
+from app.contract.training import AUTO, LORA_MODULES, chosen, settle
 from scripts.experiments.cells import practising_cells
 from scripts.experiments.fact_weight import fact_answers, fact_weights
 from scripts.experiments.plain_sentences import practising_plain_sentences
@@ -224,7 +224,7 @@ def default_recipe(docs: list) -> dict:
     n_qa = sum(len(d.qa_pairs) for d in docs)
     params = default_params(n_words, n_qa, "lora")
     keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay",
-            "holdout_frac")
+            "holdout_frac", AUTO)
     return {k: params[k] for k in keys if k in params} | {
         "generated_qa": params.get("generated_qa", 0)
     }
@@ -235,14 +235,17 @@ def recipe_spec(name: str, docs: list) -> dict:
     (values read as JSON where they parse: numbers, true/false)."""
     base, *overrides = name.split("+")
     spec = dict(RECIPES[base]) if base != "default" else default_recipe(docs)
+    named = {}
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"{item!r} is not setting=value")
         try:
-            spec[key] = json.loads(value)
+            named[key] = json.loads(value)
         except json.JSONDecodeError:
-            spec[key] = value
+            named[key] = value
+    # what a recipe names is not left to the dataset (the default's passes and step)
+    spec = chosen(spec, named) if AUTO in spec else spec | named
     if spec.get("lora_modules", "all") not in LORA_MODULES:
         raise ValueError(f"lora_modules is one of {sorted(LORA_MODULES)}")
     if spec.get("ablate") not in (None, *ABLATIONS):
@@ -539,6 +542,7 @@ def run(
 
     from worker.dataset.build import build_dataset
     from worker.dataset.corpus import text_example
+    from worker.jobs.pipeline import train_tokens
     from worker.scoring.evaluate import evaluate, probe_set_id
     from worker.training.base_model import ensure_embedded_model
     from worker.training.blend import Blend
@@ -580,6 +584,10 @@ def run(
                     docs, tokenizer, max_seq_len=256, seed=seed, generated_qa=lv.generated_qa,
                     **held,
                 )
+            auto = spec.pop(AUTO, None)
+            if auto:  # as a job sets them from its dataset (worker.jobs.pipeline.settled_job)
+                spec |= settle(spec | {AUTO: auto}, train_tokens(split, spec.get("max_seq_len", 256)))
+                settings |= {k: spec[k] for k in auto}
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
             blend_full = spec.get("method") == "full" and blending
             base_state = {k: v.clone() for k, v in model.state_dict().items()} if blend_full else None

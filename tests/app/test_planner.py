@@ -144,7 +144,7 @@ def _counted(shapes: list[tuple[int, int, int]], key: str = "k",
     return checked_plan({"format": PLAN_FORMAT, "key": key, "examples": 4 * steps, "chunks": 1,
                          "qa": 0, "practice": 0, "replay": 0, "probes": 0, "questions": 0,
                          "heldout_chunks": 0, "heldout_qa": 0, "epochs": 1,
-                         "steps": steps, "tokens": 1, "shapes": shapes,
+                         "steps": steps, "tokens": 1, "train_tokens": 1_000, "shapes": shapes,
                          "predicting": predicting or []})
 
 
@@ -259,6 +259,12 @@ def test_train_panel_shows_both_methods_once_measured_then_counted(client, profi
                                 "plan": _counted([(4, 64, 400)], key).model_dump()}
     panel = _panel(client.get(f"/projects/{project_id}", headers=htmx("train-plan")).text)
     assert "hx-trigger" not in panel and "counting" not in panel  # counted: no more polling
+    # The passes and the step the job will set from its dataset's tokens (1,000 counted: four
+    # at 1e-3), where 10,000 words were guessed to need two at 2e-3.
+    assert "Passes over your documents</dt><dd>2</dd>" in page and "<dd>0.002</dd>" in page
+    page = client.get(f"/projects/{project_id}").text
+    assert "Passes over your documents</dt><dd>4</dd>" in page and "<dd>0.001</dd>" in page
+    assert 'placeholder="4 (default)"' in page  # the Advanced form's epochs
     # 400 steps of 4 x 64 tokens: a quarter of the reference step's 2 s each (LoRA); full
     # fine-tuning streams, at least the 20 s disk time per step.
     assert "Fits in memory: about 3 min" in panel
@@ -320,7 +326,9 @@ def test_a_queued_job_keeps_the_estimate_and_a_finished_one_teaches_the_next(
         job.metrics = {"phase_s": {"before": 50.0, "train": 2 * estimated, "after": 50.0,
                                    "export": 20.0}}
     page = client.get(f"/projects/{project_id}").text
-    expected = planner.human_duration(2 * before["lora"].train_s + 120.0)
+    # The base model's scores are kept from that job (same documents and settings): the
+    # next one only scores the tuned model (50 s) and exports (20 s) after twice the training.
+    expected = planner.human_duration(2 * before["lora"].train_s + 50.0 + 20.0)
     assert f"Fits in memory: {expected} (based on your last job)" in page
     job_page = client.get(f"/jobs/{job_id}").text
     assert "Took scoring the base model less than a minute, training " in job_page

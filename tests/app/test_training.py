@@ -149,6 +149,7 @@ def test_advanced_settings_override_the_defaults(client, env):
         "epochs": 3,
         "learning_rate": 5e-5,
         "max_seq_len": 512,
+        "auto": [],  # both chosen: the job does not set them from its dataset
     }
 
 
@@ -222,26 +223,62 @@ def test_create_job_refuses_while_documents_are_pending(env):
             jobs_service.create_job(session, project, {})
 
 
-def test_the_passes_fall_as_the_documents_grow_so_training_stays_near_ten_minutes():
-    from app.contract.training import TWO_PASSES_FROM
+def test_the_passes_fall_as_the_datasets_tokens_grow_so_training_stays_near_ten_minutes():
+    from app.contract.training import PASS_TOKENS, passes_for
 
-    assert default_params(862, 12, "lora")["epochs"] == 4  # the fixture corpus: 1,222
-    assert default_params(1_999, 0, "lora")["epochs"] == 4
-    assert default_params(2_000, 0, "lora")["epochs"] == 3
-    assert default_params(TWO_PASSES_FROM - 31, 1, "lora")["epochs"] == 3
-    assert default_params(TWO_PASSES_FROM - 30, 1, "lora")["epochs"] == 2  # a pair: 30 words
+    assert passes_for(13_671) == 4  # the fixture corpus (Northwind)
+    assert passes_for(PASS_TOKENS // 4) == 4
+    assert passes_for(PASS_TOKENS // 4 + 1) == 2  # no three (README: the card overstated)
+    assert passes_for(36_365) == 2  # Saltgrove (tests/fixtures/fullsize_docs.py)
+    assert passes_for(10 * PASS_TOKENS) == 2  # never fewer than two
+    assert passes_for(0) == 4
+
+
+def test_before_the_dataset_is_built_the_passes_are_guessed_from_the_words():
+    assert default_params(862, 12, "lora")["epochs"] == 4  # the fixture corpus
     assert default_params(3_111, 12, "lora")["epochs"] == 2  # tests/fixtures/fullsize_docs.py
     assert default_params(50_000, 0, "full")["epochs"] == 2
+    # ... and left to the job, which sets them from its dataset's tokens
+    assert set(default_params(862, 12, "lora")["auto"]) == {"epochs", "learning_rate"}
 
 
 def test_two_passes_take_a_larger_lora_step():
-    from app.contract.training import LORA_LR, LORA_LR_TWO_PASSES, TWO_PASSES_FROM
+    from app.contract.training import FULL_LR, LORA_LR, LORA_LR_TWO_PASSES, learning_rate_for
 
     assert LORA_LR_TWO_PASSES > LORA_LR
+    assert learning_rate_for("lora", 4) == learning_rate_for("lora", 3) == LORA_LR
+    assert learning_rate_for("lora", 2) == learning_rate_for("lora", 1) == LORA_LR_TWO_PASSES
+    assert learning_rate_for("full", 2) == FULL_LR == 2e-5  # full: one step
     assert default_params(862, 12, "lora")["learning_rate"] == LORA_LR  # 4 passes
-    assert default_params(TWO_PASSES_FROM - 1, 0, "lora")["learning_rate"] == LORA_LR  # 3
     assert default_params(3_111, 12, "lora")["learning_rate"] == LORA_LR_TWO_PASSES
-    assert default_params(3_111, 12, "full")["learning_rate"] == 2e-5  # full: one step
+    assert default_params(3_111, 12, "full")["learning_rate"] == FULL_LR
+
+
+def test_the_dataset_settles_only_what_the_user_left_to_it():
+    from app.contract.training import (
+        LORA_LR,
+        LORA_LR_TWO_PASSES,
+        PASS_TOKENS,
+        chosen,
+        settle,
+    )
+
+    defaults = default_params(862, 12, "lora")  # guessed: 4 passes at LoRA's 1e-3
+    assert settle(defaults, PASS_TOKENS) == {"epochs": 2, "learning_rate": LORA_LR_TWO_PASSES}
+    assert settle(defaults, 1_000) == {"epochs": 4, "learning_rate": LORA_LR}
+    # Passes chosen by hand stay; the step follows them unless it was chosen too.
+    mine = chosen(defaults, {"epochs": 2})
+    assert mine["auto"] == ["learning_rate"] and mine["learning_rate"] == LORA_LR_TWO_PASSES
+    assert settle(mine, 1_000) == {"learning_rate": LORA_LR_TWO_PASSES}
+    both = chosen(defaults, {"epochs": 3, "learning_rate": 5e-4})
+    assert both["auto"] == [] and settle(both, PASS_TOKENS) == {}
+    assert both["epochs"] == 3 and both["learning_rate"] == 5e-4
+    step = chosen(defaults, {"learning_rate": 5e-4})  # the passes still the dataset's
+    assert settle(step, PASS_TOKENS) == {"epochs": 2}
+    assert chosen(defaults, {}) == defaults
+    full = default_params(862, 12, "full")
+    assert settle(full, PASS_TOKENS) == {"epochs": 2, "learning_rate": 2e-5}
+    assert settle({"method": "lora", "epochs": 3}, 1_000) == {}  # a job from before: as set
 
 
 def test_short_document_sets_are_trained_on_whole():

@@ -37,6 +37,9 @@ def test_a_recipe_name_takes_overrides_of_the_defaults():
     docs = []  # no documents: the defaults of an empty corpus
     spec = recipe_spec("default+generated_qa=4+epochs=6+method=full", docs)
     assert (spec["generated_qa"], spec["epochs"], spec["method"]) == (4, 6, "full")
+    # What a recipe names is not left to the dataset; the step follows the method and passes.
+    assert spec["auto"] == ["learning_rate"] and spec["learning_rate"] == 2e-5
+    assert set(recipe_spec("default", docs)["auto"]) == {"epochs", "learning_rate"}
     assert recipe_spec("qa2+learning_rate=0.002", docs)["learning_rate"] == 0.002
     assert _known("default+epochs=5") and not _known("nonesuch") and not _known("default+epochs")
 

@@ -137,6 +137,7 @@ def test_a_job_trains_scores_and_exports(tmp_path):
     # answers being as many as the plan counted) the same steps.
     stats = job.dataset
     assert job.estimate["counted"] and job.estimate["steps"] == plan.steps
+    assert job.params["epochs"] == plan.epochs  # set from the dataset's tokens, alike
     assert plan.examples - plan.replay == stats["n_train_examples"] - stats["n_train_replay"]
     if stats["n_train_replay"] == plan.replay:
         assert plan.steps == job.total_steps

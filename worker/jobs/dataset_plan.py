@@ -20,7 +20,7 @@ from typing import Any
 
 from app.contract.dataset_plan import FORMAT, DatasetPlan, plan_key
 from worker.dataset.corpus import SourceDoc
-from worker.jobs.pipeline import job_dataset, job_settings
+from worker.jobs.pipeline import job_dataset, job_settings, settled_job, train_tokens
 from worker.training.batches import predicting_count, step_members
 from worker.training.replay import planned_lengths, planned_predicting
 
@@ -32,6 +32,7 @@ def count_work(docs: list[SourceDoc], tokenizer, params: Mapping[str, Any], key:
     started = time.perf_counter()
     job = job_settings(docs, dict(params), "", None, None)
     split = job_dataset(docs, tokenizer, job)
+    job = settled_job(job, split)
     cfg = job.config
     lengths = [min(len(e["input_ids"]), cfg.max_seq_len) for e in split.train_examples]
     predicting = [predicting_count(e, cfg.max_seq_len) for e in split.train_examples]
@@ -67,6 +68,7 @@ def count_work(docs: list[SourceDoc], tokenizer, params: Mapping[str, Any], key:
         epochs=cfg.epochs,
         steps=total,
         tokens=tokens,
+        train_tokens=train_tokens(split, cfg.max_seq_len),
         shapes=sorted((rows, width, n) for (rows, width), n in shapes.items()),
         predicting=[predicts[shape] for shape in sorted(shapes)],
         seconds=round(time.perf_counter() - started, 3),

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer
 
+from app.contract.training import AUTO, settle
 from worker.dataset.build import build_dataset
 from worker.dataset.corpus import DatasetSplit, SourceDoc
 from worker.distributed.launch import train_on_ranks
@@ -87,6 +88,9 @@ class JobSettings:
     # model folder a full fine-tune starts from.
     start_adapter: Path | None
     start_model: Path | None
+    # The settings params leaves to the dataset (app.contract.training.AUTO): set by
+    # settled_job once the dataset is built.
+    auto: tuple[str, ...] = ()
 
 
 def run_pipeline(
@@ -151,7 +155,7 @@ def run_pipeline(
     if done is not None:
         return done
     swap = Path(swap_dir or workdir / "swap")
-    tokenizer, split, base = _prepare(
+    tokenizer, split, base, job = _prepare(
         docs, base_model, models_dir, job, hooks, stream_base, dev, budget_bytes, swap
     )
 
@@ -247,19 +251,22 @@ def _prepare(
     device: torch.device,
     budget_bytes: int | None,
     swap_dir: Path,
-) -> tuple[Any, DatasetSplit, BaseModelHandle]:
-    """(tokenizer, dataset, the loaded base model's handle)."""
+) -> tuple[Any, DatasetSplit, BaseModelHandle, JobSettings]:
+    """(tokenizer, dataset, the loaded base model's handle, `job` settled for its dataset)."""
     hooks.on_phase("running", "Preparing the base model")
     model_dir = resolve_base_model(base_model, models_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     split = job_dataset(docs, tokenizer, job)
+    job = settled_job(job, split)
+    if job.auto:  # what the job page says it trains with, from now on
+        hooks.on_settings({k: getattr(job.config, k) for k in job.auto})
     _check_cancel(hooks)
     base = open_base_model(
         model_dir, stream_base, device, budget_bytes, swap_dir, eval_cap=STREAMED_EVAL_BATCH
     )
     torch.manual_seed(job.config.seed)
     base.load(hooks)
-    return tokenizer, split, base
+    return tokenizer, split, base, job
 
 
 def job_settings(
@@ -276,7 +283,7 @@ def job_settings(
             "No usable text: the documents of this job contain no text and no "
             "question-answer pairs to train on."
         )
-    unknown = set(params) - _TRAIN_KEYS - set(DATASET_KEYS) - {REPLAY_KEY}
+    unknown = set(params) - _TRAIN_KEYS - set(DATASET_KEYS) - {REPLAY_KEY, AUTO}
     if unknown:
         log.warning("Ignoring unknown training settings: %s", sorted(unknown))
     config = TrainConfig.from_dict({k: v for k, v in params.items() if k in _TRAIN_KEYS})
@@ -291,6 +298,9 @@ def job_settings(
     replay_n = int(params.get(REPLAY_KEY) or 0)
     if replay_n:
         job_key = _fingerprint(job_key, REPLAY_KEY, replay_n)
+    auto = tuple(sorted(str(k) for k in params.get(AUTO) or []))
+    if auto:  # the same settings chosen by hand may settle otherwise
+        job_key = _fingerprint(job_key, AUTO, auto)
     return JobSettings(
         config,
         dataset_args,
@@ -299,7 +309,24 @@ def job_settings(
         replay_n,
         Path(start_adapter) if start_adapter is not None else None,
         Path(start_model) if start_model is not None else None,
+        auto,
     )
+
+
+def settled_job(job: JobSettings, split: DatasetSplit) -> JobSettings:
+    """`job` with the settings it leaves to its dataset (the passes, LoRA's step) set from
+    the tokens of `split`'s training examples (app.contract.training.settle)."""
+    if not job.auto:
+        return job
+    cfg = job.config.to_dict()
+    tokens = train_tokens(split, job.config.max_seq_len)
+    return replace(job, config=TrainConfig.from_dict(cfg | settle(cfg | {AUTO: job.auto}, tokens)))
+
+
+def train_tokens(split: DatasetSplit, max_seq_len: int) -> int:
+    """The tokens of `split`'s training examples as training reads them (cut at
+    `max_seq_len`; without the replay answers, which are the same few for every job)."""
+    return sum(min(len(e["input_ids"]), max_seq_len) for e in split.train_examples)
 
 
 def job_dataset(docs: list[SourceDoc], tokenizer, job: JobSettings) -> DatasetSplit:

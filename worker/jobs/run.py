@@ -78,10 +78,15 @@ class _RowHooks:
         self._pending: dict = {}
         self._losses: list[list[float]] = []
         self._cancel = False
+        self._settled: dict = {}  # the settings the job's dataset decided, for Job.params
 
     def hooks(self) -> Hooks:
         return Hooks(on_phase=self.on_phase, on_progress=self.on_progress,
-                     should_cancel=self.should_cancel)
+                     should_cancel=self.should_cancel, on_settings=self.on_settings)
+
+    def on_settings(self, settled: dict) -> None:
+        self._settled.update(settled)
+        self.flush()
 
     def on_phase(self, state: str, text: str) -> None:
         self._pending.update(state=state, phase=text)
@@ -110,6 +115,8 @@ class _RowHooks:
                 return
             for key, value in self._pending.items():
                 setattr(job, key, value)
+            if self._settled:
+                job.params = {**job.params, **self._settled}
             if self._losses:
                 # Resumed jobs replay from their checkpoint: keep one point per step.
                 merged = {int(s): l for s, l in job.loss_history} | {s: l for s, l in self._losses}
@@ -117,6 +124,7 @@ class _RowHooks:
             job.heartbeat_at = utcnow()
             self._cancel = job.cancel_requested
         self._pending.clear()
+        self._settled.clear()
         self._losses.clear()
         self._last_write = time.monotonic()
 

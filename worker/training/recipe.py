@@ -74,6 +74,8 @@ class Hooks:
     #  "telemetry"}: telemetry is the offload engine's figures (None in memory).
     on_progress: Callable[[dict], None] = _noop
     should_cancel: Callable[[], bool] = lambda: False
+    # The settings the job's dataset decided (app.contract.training.settle): {name: value}.
+    on_settings: Callable[[dict], None] = _noop
 
 
 @dataclass

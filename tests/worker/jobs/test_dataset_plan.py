@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from app.contract.dataset_plan import checked_plan
-from app.contract.training import default_params
+from app.contract.training import LORA_LR, LORA_LR_TWO_PASSES, chosen, default_params, passes_for
 from scripts.experiments.recall import load_corpus
 from worker.dataset.corpus import IGNORE_INDEX
 from worker.jobs.dataset_plan import count_work
-from worker.jobs.pipeline import job_dataset, job_settings
+from worker.jobs.pipeline import job_dataset, job_settings, settled_job, train_tokens
 from worker.training.recipe import FineTuneRecipe
 from worker.training.replay import planned_lengths, planned_predicting
 
@@ -45,7 +45,7 @@ def _recipe_shapes(docs, tokenizer, params, extra: list[dict],
 @pytest.mark.parametrize("epochs", [1, 4])
 def test_the_plan_is_the_recipes_own_batches(corpus_docs, smol_tokenizer, epochs):
     n_words = sum(len(d.text.split()) for d in corpus_docs)
-    params = default_params(n_words, 12, "lora") | {"epochs": epochs, "replay": 0}
+    params = chosen(default_params(n_words, 12, "lora"), {"epochs": epochs}) | {"replay": 0}
     plan = count_work(corpus_docs, smol_tokenizer, params, "key")
     predicting: dict = {}
     steps, shapes = _recipe_shapes(corpus_docs, smol_tokenizer, params, [], predicting)
@@ -108,3 +108,34 @@ def test_the_office_corpus_of_the_estimate_benchmark_is_the_size_asked(tmp_path,
     # Its files state the same facts with other values (a made-up corpus): the card asks
     # only the few whose question has one answer.
     assert plan.probes >= 5 and plan.practice > 150 and plan.qa > 10
+
+
+def test_the_passes_are_set_from_the_tokens_the_documents_make(corpus_docs, smol_tokenizer):
+    """The default's passes are guessed from the words until the dataset is built, then set
+    from its tokens: office files written in lists and label lines make more practice per
+    word than prose, so they are read fewer times than their words would say."""
+    with tempfile.TemporaryDirectory() as folder:
+        listed = load_corpus(Path(folder), "structured")  # tests/fixtures/structured_docs.py
+    seen = {}
+    for name, docs in (("prose", corpus_docs), ("lists", listed)):
+        words = sum(len(d.text.split()) for d in docs)
+        # A guess the dataset corrects (the job's row says 1 pass at a step of 0.009).
+        params = default_params(words, 12, "lora") | {"epochs": 1, "learning_rate": 0.009}
+        job = job_settings(docs, params, "", None, None)
+        split = job_dataset(docs, smol_tokenizer, job)
+        settled = settled_job(job, split).config
+        tokens = train_tokens(split, settled.max_seq_len)
+        assert settled.epochs == passes_for(tokens)
+        assert settled.learning_rate == (LORA_LR_TWO_PASSES if settled.epochs == 2 else LORA_LR)
+        plan = count_work(docs, smol_tokenizer, params, "key")  # the Train panel's count
+        assert plan.epochs == settled.epochs and plan.train_tokens == tokens
+        assert plan.steps == settled.epochs * -(-plan.examples // settled.batch_size)
+        seen[name] = (words, tokens, settled.epochs)
+        # Chosen by hand, the passes stay; the step follows them.
+        mine = settled_job(job_settings(docs, chosen(params, {"epochs": 3}), "", None, None),
+                           split).config
+        assert mine.epochs == 3 and mine.learning_rate == LORA_LR
+    (prose_words, prose_tokens, prose_passes), (list_words, list_tokens, list_passes) = (
+        seen["prose"], seen["lists"])
+    assert list_words < 2 * prose_words and list_tokens > 2 * prose_tokens
+    assert prose_passes == 4 and list_passes < 4

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.contract.scores import QUESTION_KINDS
-from app.contract.training import default_params
+from app.contract.training import LORA_LR_TWO_PASSES, chosen, default_params
 from tests.worker.conftest_training import FACTS, tiny_model_dir
 from worker.dataset.corpus import SourceDoc
 from worker.jobs.pipeline import Cancelled, Hooks, run_pipeline
@@ -38,14 +38,16 @@ DOCS = [
 
 
 def params(**overrides) -> dict:
+    """The Train button's defaults with these settings chosen (the step is left to the job:
+    it sets LoRA's for two passes once the dataset is built)."""
     p = default_params(n_words=400, n_qa=4, method="lora")
-    return (
-        p
-        | {"epochs": 2, "max_seq_len": 48, "batch_size": 4, "checkpoint_every": 2, "max_probes": 6}
+    return chosen(
+        p,
+        {"epochs": 2, "max_seq_len": 48, "batch_size": 4, "checkpoint_every": 2, "max_probes": 6}
         | {"replay": 0}  # the replay test below turns it on
         # A share held out although the documents are short, for the held-out scores.
         | {"holdout_frac": 0.1}
-        | overrides
+        | overrides,
     )
 
 
@@ -55,12 +57,14 @@ class Recorder:
     def __init__(self, cancel_at: int | None = None):
         self.phases: list[tuple[str, str]] = []
         self.progress: list[dict] = []
+        self.settings: list[dict] = []
         self.cancel_at = cancel_at
 
     def hooks(self) -> Hooks:
         return Hooks(
             on_phase=lambda state, text: self.phases.append((state, text)),
             on_progress=self.progress.append,
+            on_settings=self.settings.append,
             should_cancel=lambda: (
                 self.cancel_at is not None
                 and bool(self.progress)
@@ -88,6 +92,9 @@ def test_lora_pipeline_end_to_end(lora_run):
     assert result["export_errors"] == {}
     p = result["params"]
     assert p["method"] == "lora" and p["seed"] == 0 and p["max_seq_len"] == 48
+    # The step left to the job: set for its two passes before training, and said so.
+    assert rec.settings == [{"learning_rate": LORA_LR_TWO_PASSES}]
+    assert p["learning_rate"] == LORA_LR_TWO_PASSES and p["epochs"] == 2
     assert p["total_steps"] == result["metrics"]["steps"] == len(rec.progress) > 0
     assert result["dataset"]["n_train_examples"] > 0 and result["dataset"]["n_train_qa"] > 0
     phases = result["metrics"]["phase_s"]  # what the next estimates learn from

@@ -113,3 +113,18 @@ def test_an_internal_error_is_logged_and_the_user_reads_something_went_wrong(
     trace = (job_workdir(job_id) / "error.log").read_text(encoding="utf-8")
     assert "TypeError" in trace and "'<=' not supported" in trace
     assert any("job %s failed" in r.msg and r.exc_info for r in caplog.records)
+
+
+def test_the_settings_a_job_sets_from_its_dataset_reach_its_row(migrated_db, tmp_path):
+    """The job page shows the passes and step a job trains with from the moment it sets them
+    (app.contract.training.settle), not the guess it was queued with."""
+    from app.contract.training import default_params
+
+    project_id, sources = _project_with_a_document(tmp_path)
+    queued = default_params(1_000, 0, "lora")  # guessed from the words: 4 passes
+    job_id = _queued_job(project_id, sources, queued)
+    run._RowHooks(job_id).on_settings({"epochs": 2, "learning_rate": 0.002})
+    with session_scope() as session:
+        params = session.get(Job, job_id).params
+    assert params == queued | {"epochs": 2, "learning_rate": 0.002}
+    assert queued["epochs"] == 4
