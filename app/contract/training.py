@@ -146,9 +146,10 @@ def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
 
     Small datasets need more passes to be learned at all (Northwind: 21 of 60 colleague
     questions on four passes, 10 on two); large ones fewer, at a larger LoRA step, so the
-    training time stays roughly bounded (PASS_TOKENS). The passes and LoRA's step here are guessed from the
-    words; the job sets them from its dataset's tokens (`settle`) unless the user chose
-    them (`AUTO` lists the ones left to the job; `chosen` takes the user's out).
+    training time stays roughly bounded (PASS_TOKENS). The passes and LoRA's step here are
+    guessed from the words; the job sets them from its dataset's tokens (`settle`) unless
+    the user chose them (`AUTO` lists the ones left to the job; `chosen` takes the user's
+    out).
     """
     epochs = passes_for(n_words * TRAIN_TOKENS_PER_WORD + n_qa * TRAIN_TOKENS_PER_QA)
     return {

@@ -292,13 +292,16 @@ def job_settings(
     dataset_args = {k: params[k] for k in DATASET_KEYS if k in params}
     doc_ids = sorted([d.name, d.sha256, bool(d.qa_pairs)] for d in docs)
     data_key = _fingerprint(base_model, doc_ids, config.max_seq_len, config.seed, dataset_args)
-    job_key = _fingerprint(data_key, config.to_dict(), str(start_adapter or ""))
+    auto = tuple(sorted(str(k) for k in params.get(AUTO) or []))
+    # What the dataset sets is not in the key: the job's row holds the settled values once
+    # they are set (Hooks.on_settings), and a resumed job must find its results under it.
+    keyed = {k: v for k, v in config.to_dict().items() if k not in auto}
+    job_key = _fingerprint(data_key, keyed, str(start_adapter or ""))
     if start_model is not None:
         job_key = _fingerprint(job_key, "start_model", str(start_model))
     replay_n = int(params.get(REPLAY_KEY) or 0)
     if replay_n:
         job_key = _fingerprint(job_key, REPLAY_KEY, replay_n)
-    auto = tuple(sorted(str(k) for k in params.get(AUTO) or []))
     if auto:  # the same settings chosen by hand may settle otherwise
         job_key = _fingerprint(job_key, AUTO, auto)
     return JobSettings(

@@ -131,6 +131,11 @@ def test_the_passes_are_set_from_the_tokens_the_documents_make(corpus_docs, smol
         assert plan.epochs == settled.epochs and plan.train_tokens == tokens
         assert plan.steps == settled.epochs * -(-plan.examples // settled.batch_size)
         seen[name] = (words, tokens, settled.epochs)
+        # The row's params once the job set them: a resumed job finds its results again.
+        row = params | {"epochs": settled.epochs, "learning_rate": settled.learning_rate}
+        assert job_settings(docs, row, "", None, None).job_key == job.job_key
+        assert job_settings(docs, chosen(row, {"epochs": settled.epochs}), "", None,
+                            None).job_key != job.job_key
         # Chosen by hand, the passes stay; the step follows them.
         mine = settled_job(job_settings(docs, chosen(params, {"epochs": 3}), "", None, None),
                            split).config
