@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from app.contract.tasks import INGEST_TASK, TRAIN_TASK
+from app.contract.training import chosen
 from app.db import session_scope
 from app.models import Job, JobState, Project
 from app.queue import INLINE
@@ -191,7 +192,7 @@ def _train(project_id: int, extra: dict, method: str = "lora") -> Job:
     with session_scope() as session:
         session.info[INLINE] = tasks
         job = create_job(session, session.get(Project, project_id), {"method": method})
-        job.params = {**job.params, **extra}
+        job.params = chosen(job.params, extra)  # as chosen in Advanced: not the dataset's
         job_id = job.id
     _run_inline(tasks)
     with session_scope() as session:
