@@ -91,7 +91,8 @@ def _project_context(project: Project, **extra: Any) -> dict[str, Any]:
         "docs_stamp": documents_service.docs_stamp(session, project.id),
         "reason": jobs_service.readiness(corpus),
         "defaults": defaults,
-        "defaults_full": jobs_service.shown_defaults(project, corpus, "full"),
+        # (only its step is shown, which no dataset changes: no second plan lookup)
+        "defaults_full": jobs_service.defaults_for(corpus, "full"),
         "plan": planner.estimates_for(corpus, profile, load=False,
                                       history=planner.history(session), project=project),
         "plan_pending": profile is None or counting,  # the panel asks again shortly
