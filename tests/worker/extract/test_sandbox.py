@@ -84,7 +84,10 @@ def test_cheap_checks_refuse_each_hostile_file_quickly(hostile_dir, name):
     with pytest.raises(ExtractionError) as info:
         extract(hostile_dir / name, kind_for_filename(name))
     assert HOSTILE[name][1] in str(info.value)
-    assert time.monotonic() - started < 10  # was: never, minutes, 10 s, a GB, half a GB
+    # A bound against "never" and "minutes" (what these files cost before), not a speed
+    # target (`make bench-hostile` prints the times): 10 s flaked at 13 s on a slow 2-core
+    # AMD EPYC hour with two test processes (2026-12-07).
+    assert time.monotonic() - started < 60  # was: never, minutes, 10 s, a GB, half a GB
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE))
@@ -92,7 +95,7 @@ def test_each_hostile_file_fails_in_words_through_the_ingest(hostile_dir, projec
     doc_id = _document(project_id, hostile_dir / name)
     started = time.monotonic()
     assert ingest_document(doc_id) == DocStatus.failed
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 60  # never, or minutes, as above
     row = _row(doc_id)
     assert row.status == DocStatus.failed and HOSTILE[name][1] in row.error
     assert row.read_attempts == 1 and row.read_started_at is not None
