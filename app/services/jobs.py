@@ -67,10 +67,13 @@ def defaults_for(corpus: Corpus, method: str = "lora") -> dict[str, Any]:
 def shown_defaults(project: Project, corpus: Corpus, method: str = "lora") -> dict[str, Any]:
     """The defaults as the Train panel shows them: once the worker has counted the project's
     dataset plan, with the passes and the step the job will set from its dataset (a job is
-    queued with defaults_for's, and sets them the same way when it starts)."""
+    queued with defaults_for's, and sets them the same way when it starts). `counted` says
+    which: False while the passes and step are still guessed from the words."""
     params = defaults_for(corpus, method)
     plan = planner.dataset_plan(project, corpus, params)
-    return params | settle(params, plan.train_tokens) if plan is not None else params
+    if plan is None:
+        return params | {"counted": False}
+    return params | settle(params, plan.train_tokens) | {"counted": True}
 
 
 def format_number(value: Any) -> str:

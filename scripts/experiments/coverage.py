@@ -113,11 +113,11 @@ def coverage(corpus: str, recipe: str, seed: int, models_dir: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from scripts.experiments.recall import CORPUS_NAMES
+    from scripts.experiments.recall import corpus_name
     from scripts.experiments.rescore import last_json_line
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", choices=CORPUS_NAMES, default="fixture")
+    parser.add_argument("--corpus", type=corpus_name, default="fixture")
     parser.add_argument("--recipe", default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models-dir", default=str(Path.home() / ".cache" / "doctune-tests"))

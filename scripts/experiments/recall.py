@@ -32,6 +32,7 @@ measures for each:
     .venv/bin/python -m scripts.experiments.recall --corpus heldout  # the held-out corpus
     .venv/bin/python -m scripts.experiments.recall --corpus fullsize  # a company's files' size
     .venv/bin/python -m scripts.experiments.recall --corpus structured  # lists and headings
+    .venv/bin/python -m scripts.experiments.recall --corpus fixture+heldout  # two in one project
 
 `--corpus heldout` trains on a second made-up company's files instead
 (tests/fixtures/heldout_docs.py) and asks its own hand-written colleague questions, written
@@ -425,42 +426,66 @@ CORPORA: dict[str, tuple[str, str, str]] = {
 }
 
 
-# --corpus all: the three companies' files in one project (4,904 words and 34 pairs: the
-# default reads them twice), each file and question named with its company in front.
-ALL_OF = {"northwind": "fixture", "cogwell": "heldout", "saltgrove": "fullsize"}
-CORPUS_NAMES = (*CORPORA, "all")  # what --corpus takes
+# Corpora in one project: names joined by "+" (fixture+heldout), or all (the first three:
+# 4,904 words and 34 pairs, read twice by the default), each file and question named with
+# its company in front.
+COMPANY = {"fixture": "northwind", "heldout": "cogwell", "fullsize": "saltgrove",
+           "structured": "brindleoakes"}
+ALL_OF = {COMPANY[part]: part for part in ("fixture", "heldout", "fullsize")}
+CORPUS_NAMES = (*CORPORA, "all")  # the names --corpus lists; it also takes them joined by +
+
+
+def corpus_parts(name: str) -> list[str]:
+    """The corpora of a --corpus name: one, those joined by "+", or all's three."""
+    parts = list(ALL_OF.values()) if name == "all" else name.split("+")
+    if len(set(parts)) != len(parts) or not set(parts) <= set(CORPORA):
+        raise ValueError(f"--corpus is one of {', '.join(CORPUS_NAMES)}, or some of "
+                         f"{', '.join(CORPORA)} joined by + (fixture+heldout), not {name!r}")
+    return parts
+
+
+def corpus_name(name: str) -> str:
+    """argparse's check of a --corpus name."""
+    try:
+        corpus_parts(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
 
 
 def corpus_of(name: str) -> tuple:
     """(the corpus writer, its hand-written colleague questions) of a --corpus name."""
     import importlib
 
-    if name == "all":
-        return _all_writer, [f._replace(filename=f"{company}-{f.filename}")
-                             for company, part in ALL_OF.items() for f in corpus_of(part)[1]]
+    parts = corpus_parts(name)
+    if len(parts) > 1:
+        return (lambda folder: _joined_writer(folder, parts),
+                [f._replace(filename=f"{COMPANY[part]}-{f.filename}")
+                 for part in parts for f in corpus_of(part)[1]])
     module, writer, questions = CORPORA[name]
     found = importlib.import_module(module)
     return getattr(found, writer), getattr(found, questions)
 
 
-def _all_writer(folder: Path) -> list[Path]:
-    """Every company's files in `folder`, each named "<company>-<its name>"."""
+def _joined_writer(folder: Path, parts: list[str]) -> list[Path]:
+    """Each corpus's files in `folder`, each named "<company>-<its name>"."""
     paths = []
-    for company, part in ALL_OF.items():
+    for part in parts:
+        company = COMPANY[part]
         for path in corpus_of(part)[0](Path(folder) / company):
             paths.append(path.rename(Path(folder) / f"{company}-{path.name}"))
     return paths
 
 
 def company_of(item: dict) -> str:
-    """The company a question of --corpus all is about (its file's prefix)."""
+    """The company a question of joined corpora is about (its file's prefix)."""
     return item.get("filename", "").split("-", 1)[0]
 
 
 def by_company(items: list[dict]) -> dict[str, str]:
-    """ "right/asked" per company of --corpus all's questions; {} for one company's."""
+    """ "right/asked" per company of joined corpora's questions; {} for one company's."""
     shares = shares_by(items, company_of)
-    return shares if set(shares) <= set(ALL_OF) else {}
+    return shares if set(shares) <= set(COMPANY.values()) else {}
 
 
 def load_corpus(folder: Path, corpus: str = "fixture") -> list:
@@ -818,14 +843,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None, help="one seed (as --seeds N)")
     parser.add_argument(
         "--corpus",
-        choices=CORPUS_NAMES,
+        type=corpus_name,
         default="fixture",
         help="fixture: Northwind Widgets and its 60 calibration questions (tests/fixtures/docs.py); "
         "heldout: a second company's files and questions, never used to tune a recipe "
         "(tests/fixtures/heldout_docs.py); fullsize: a third company's eight office files at the "
         "size of the issue's (about 3,500 words; tests/fixtures/fullsize_docs.py); structured: a "
         "fourth company's files in headings, lists and label lines "
-        "(tests/fixtures/structured_docs.py); all: the first three in one project, 205 questions",
+        "(tests/fixtures/structured_docs.py); all: the first three in one project, 205 questions; "
+        "or names joined by + (fixture+heldout): those in one project",
     )
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.recipes.split(",") if n.strip()]

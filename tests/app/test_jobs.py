@@ -87,6 +87,21 @@ def test_the_settings_say_which_layers_lora_adapted(client, modules, shown):
         assert f"<dt>LoRA adapts</dt><dd>{shown}</dd>" in page
 
 
+@pytest.mark.parametrize(
+    ("state", "auto", "guessed"),
+    [(JobState.queued, ["epochs", "learning_rate"], True),
+     (JobState.queued, [], False),  # chosen in Advanced: the job keeps them
+     (JobState.running, ["epochs", "learning_rate"], False)],  # set when it started
+)
+def test_a_queued_job_says_its_passes_are_set_when_it_starts(client, state, auto, guessed):
+    params = {"method": "lora", "epochs": 4, "learning_rate": 1e-3, "lora_rank": 16,
+              "auto": auto}
+    page = client.get(f"/jobs/{_job(state, params=params)}").text
+    assert "<dt>Passes over your documents</dt><dd>4" in page
+    assert ("set from your documents when training starts" in page) == guessed
+    assert ("(follows the passes)" in page) == guessed
+
+
 def test_live_fragment_for_htmx_and_the_full_page_otherwise(client):
     job_id = _job(JobState.running)
     fragment = client.get(f"/jobs/{job_id}", headers=htmx("job-live"))

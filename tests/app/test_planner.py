@@ -249,6 +249,7 @@ def test_train_panel_shows_both_methods_once_measured_then_counted(client, profi
     assert "Streams from the SSD: about 4 h 55 min" in page
     panel = _panel(page)
     assert "counting the work in your documents" in panel and "hx-trigger" in panel
+    assert 'id="train-guess"' in page  # the passes shown are the words' guess, and it says so
     assert '<div class="chosen"><dt>LoRA</dt>' in panel
     with session_scope() as session:  # what the worker writes (worker/jobs/dataset_plan.py)
         project = session.get(Project, project_id)
@@ -264,6 +265,7 @@ def test_train_panel_shows_both_methods_once_measured_then_counted(client, profi
     assert "Passes over your documents</dt><dd>2</dd>" in page and "<dd>0.002</dd>" in page
     page = client.get(f"/projects/{project_id}").text
     assert "Passes over your documents</dt><dd>4</dd>" in page and "<dd>0.001</dd>" in page
+    assert 'id="train-guess"' not in page  # counted: what the job will set
     assert 'placeholder="4 (default)"' in page  # the Advanced form's epochs
     # 400 steps of 4 x 64 tokens: a quarter of the reference step's 2 s each (LoRA); full
     # fine-tuning streams, at least the 20 s disk time per step.

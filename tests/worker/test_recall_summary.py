@@ -259,3 +259,24 @@ def test_all_three_companies_in_one_project_keep_each_file_and_question_apart(tm
         "cogwell": f"{len(corpus_of('heldout')[1])}/{len(corpus_of('heldout')[1])}",
         "saltgrove": f"0/{len(corpus_of('fullsize')[1])}",
     }
+
+
+def test_corpora_joined_by_plus_make_one_project_of_those_named(tmp_path):
+    """--corpus fixture+heldout: two companies in one project, named and tallied as all's
+    three are; a name that is not a corpus, or one named twice, is refused before any run."""
+    import argparse
+
+    from scripts.experiments.recall import by_company, corpus_name, corpus_of, load_corpus
+
+    docs = load_corpus(tmp_path, "fixture+heldout")
+    assert {d.name.split("-", 1)[0] for d in docs} == {"northwind", "cogwell"}
+    assert len(docs) == len(load_corpus(tmp_path / "a", "fixture")) + len(
+        load_corpus(tmp_path / "b", "heldout"))
+    questions = corpus_of("fixture+heldout")[1]
+    assert {q.filename for q in questions} <= {d.name for d in docs}
+    items = [{"filename": q.filename, "hit": True} for q in questions]
+    assert by_company(items) == {"northwind": "60/60", "cogwell": "61/61"}
+    assert corpus_name("heldout+structured") == "heldout+structured"
+    for bad in ("fixture+fixture", "fixture+nowhere", "all+fixture", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            corpus_name(bad)
