@@ -228,7 +228,10 @@ def test_the_passes_fall_as_the_datasets_tokens_grow_so_training_stays_near_ten_
 
     assert passes_for(13_671) == 4  # the fixture corpus (Northwind)
     assert passes_for(PASS_TOKENS // 4) == 4
-    assert passes_for(PASS_TOKENS // 4 + 1) == 2  # no three (README: the card overstated)
+    assert passes_for(PASS_TOKENS // 4 + 1) == 3
+    assert passes_for(29_497) == 3  # Northwind's and Cogwell's files in one project
+    assert passes_for(PASS_TOKENS // 3 + 1) == 2
+    assert passes_for(32_902) == 2  # Brindle Oakes (tests/fixtures/structured_docs.py)
     assert passes_for(36_365) == 2  # Saltgrove (tests/fixtures/fullsize_docs.py)
     assert passes_for(10 * PASS_TOKENS) == 2  # never fewer than two
     assert passes_for(0) == 4
@@ -242,11 +245,18 @@ def test_before_the_dataset_is_built_the_passes_are_guessed_from_the_words():
     assert set(default_params(862, 12, "lora")["auto"]) == {"epochs", "learning_rate"}
 
 
-def test_two_passes_take_a_larger_lora_step():
-    from app.contract.training import FULL_LR, LORA_LR, LORA_LR_TWO_PASSES, learning_rate_for
+def test_fewer_passes_take_a_larger_lora_step():
+    from app.contract.training import (
+        FULL_LR,
+        LORA_LR,
+        LORA_LR_THREE_PASSES,
+        LORA_LR_TWO_PASSES,
+        learning_rate_for,
+    )
 
-    assert LORA_LR_TWO_PASSES > LORA_LR
-    assert learning_rate_for("lora", 4) == learning_rate_for("lora", 3) == LORA_LR
+    assert LORA_LR_TWO_PASSES > LORA_LR_THREE_PASSES > LORA_LR
+    assert learning_rate_for("lora", 4) == learning_rate_for("lora", 6) == LORA_LR
+    assert learning_rate_for("lora", 3) == LORA_LR_THREE_PASSES
     assert learning_rate_for("lora", 2) == learning_rate_for("lora", 1) == LORA_LR_TWO_PASSES
     assert learning_rate_for("full", 2) == FULL_LR == 2e-5  # full: one step
     assert default_params(862, 12, "lora")["learning_rate"] == LORA_LR  # 4 passes
@@ -266,10 +276,14 @@ def test_the_dataset_settles_only_what_the_user_left_to_it():
     defaults = default_params(862, 12, "lora")  # guessed: 4 passes at LoRA's 1e-3
     assert settle(defaults, PASS_TOKENS) == {"epochs": 2, "learning_rate": LORA_LR_TWO_PASSES}
     assert settle(defaults, 1_000) == {"epochs": 4, "learning_rate": LORA_LR}
+    assert settle(defaults, PASS_TOKENS // 3) == {"epochs": 3, "learning_rate": 1.5e-3}
     # Passes chosen by hand stay; the step follows them unless it was chosen too.
     mine = chosen(defaults, {"epochs": 2})
     assert mine["auto"] == ["learning_rate"] and mine["learning_rate"] == LORA_LR_TWO_PASSES
     assert settle(mine, 1_000) == {"learning_rate": LORA_LR_TWO_PASSES}
+    three = chosen(defaults, {"epochs": 3})
+    assert three["learning_rate"] == 1.5e-3 and settle(three, PASS_TOKENS) == {
+        "learning_rate": 1.5e-3}
     both = chosen(defaults, {"epochs": 3, "learning_rate": 5e-4})
     assert both["auto"] == [] and settle(both, PASS_TOKENS) == {}
     assert both["epochs"] == 3 and both["learning_rate"] == 5e-4

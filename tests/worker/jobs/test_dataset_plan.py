@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from app.contract.dataset_plan import checked_plan
-from app.contract.training import LORA_LR, LORA_LR_TWO_PASSES, chosen, default_params, passes_for
+from app.contract.training import (
+    LORA_LR_THREE_PASSES,
+    chosen,
+    default_params,
+    learning_rate_for,
+    passes_for,
+)
 from scripts.experiments.recall import load_corpus
 from worker.dataset.corpus import IGNORE_INDEX
 from worker.jobs.dataset_plan import count_work
@@ -126,7 +132,7 @@ def test_the_passes_are_set_from_the_tokens_the_documents_make(corpus_docs, smol
         settled = settled_job(job, split).config
         tokens = train_tokens(split, settled.max_seq_len)
         assert settled.epochs == passes_for(tokens)
-        assert settled.learning_rate == (LORA_LR_TWO_PASSES if settled.epochs == 2 else LORA_LR)
+        assert settled.learning_rate == learning_rate_for("lora", settled.epochs)
         plan = count_work(docs, smol_tokenizer, params, "key")  # the Train panel's count
         assert plan.epochs == settled.epochs and plan.train_tokens == tokens
         assert plan.steps == settled.epochs * -(-plan.examples // settled.batch_size)
@@ -139,7 +145,7 @@ def test_the_passes_are_set_from_the_tokens_the_documents_make(corpus_docs, smol
         # Chosen by hand, the passes stay; the step follows them.
         mine = settled_job(job_settings(docs, chosen(params, {"epochs": 3}), "", None, None),
                            split).config
-        assert mine.epochs == 3 and mine.learning_rate == LORA_LR
+        assert mine.epochs == 3 and mine.learning_rate == LORA_LR_THREE_PASSES
     (prose_words, prose_tokens, prose_passes), (list_words, list_tokens, list_passes) = (
         seen["prose"], seen["lists"])
     assert list_words < 2 * prose_words and list_tokens > 2 * prose_tokens
