@@ -81,6 +81,13 @@ def test_train_shows_the_defaults_for_the_corpus(client, env):
     assert "<dd>none: your documents are short, so all of them are learned</dd>" in page
     assert "3,000 words and 100 question-answer pairs" in page
     assert '<details class="advanced"' in page
+    assert 'id="train-guess"' in page  # nothing counted yet: the passes are the words' guess
+
+
+def test_an_empty_project_guesses_nothing(client, env):
+    with session_scope() as session:
+        project_id = make_project(session).id
+    assert 'id="train-guess"' not in client.get(f"/projects/{project_id}").text
 
 
 def test_pressing_train_creates_a_queued_job_and_sends_one_message_after_commit(client, env):
