@@ -102,7 +102,8 @@ AUTO = "auto"
 # colleague questions right against 9, 10 and 10 (seeds 0-2), general perplexity 18-20%
 # above the base model's against 3-9% (README "What the practice reaches").
 # Three passes take the step between (at 1e-3 they put the card 12-15 points above the
-# colleagues on Brindle Oakes and Saltgrove; at 1.5e-3, 5 on Northwind and Cogwell together).
+# colleagues on Brindle Oakes and Saltgrove; at 1.5e-3, 5 and 10 on Northwind and Cogwell
+# together, seeds 0 and 1, and 3.5 on Brindle Oakes).
 LORA_LR = 1e-3
 LORA_LR_THREE_PASSES = 1.5e-3
 LORA_LR_TWO_PASSES = 2e-3
