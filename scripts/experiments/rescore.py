@@ -78,20 +78,27 @@ def main(argv: list[str] | None = None) -> int:
             run = last_json_line(path.read_text(errors="replace"))
         except (OSError, ValueError) as e:
             parser.error(f"{path}: {e}")
-        for name, recipe in run["recipes"].items():
-            r = rescore_recipe(recipe)
-            out[f"{path.name}:{name}"] = r
-            print(f"# {path.name} {name}", flush=True)
-            for side in ("saved", "now"):
-                s = r[side]
-                print(f"  {side:<6} colleague {s['employee']:>6} {s['employee_by_kind']}  "
-                      f"card {s['card']:>6}  gap {s['gap_points']:>6}  {s['by_fact']}")
-            for c in r["changed"]:
-                verdict = "right" if c["now"] else "wrong"
-                print(f"  now {verdict}: [{c['side']}] {c['question']} ({c['answer']}) -> "
-                      f"{c['output'][:120]!r}")
+        # one seed's run, or several (--seeds 0,1: each seed's recipes under "seeds")
+        seeded = run["seeds"].items() if "seeds" in run else [("", run)]
+        for seed, one in seeded:
+            for name, recipe in one["recipes"].items():
+                label = f"{path.name}:{name}" + (f":seed{seed}" if seed else "")
+                out[label] = r = rescore_recipe(recipe)
+                _print(label, r)
     print(json.dumps(out, ensure_ascii=False))
     return 0
+
+
+def _print(label: str, r: dict) -> None:
+    print(f"# {label}", flush=True)
+    for side in ("saved", "now"):
+        s = r[side]
+        print(f"  {side:<6} colleague {s['employee']:>6} {s['employee_by_kind']}  "
+              f"card {s['card']:>6}  gap {s['gap_points']:>6}  {s['by_fact']}")
+    for c in r["changed"]:
+        verdict = "right" if c["now"] else "wrong"
+        print(f"  now {verdict}: [{c['side']}] {c['question']} ({c['answer']}) -> "
+              f"{c['output'][:120]!r}")
 
 
 if __name__ == "__main__":

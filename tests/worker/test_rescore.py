@@ -51,3 +51,16 @@ def test_reads_the_last_json_line_of_a_run(tmp_path, capsys):
     assert main([str(log)]) == 0
     out = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert out["run.log:default"]["now"]["card"] == "2/2"
+
+
+def test_a_run_of_several_seeds_is_rescored_seed_by_seed(tmp_path, capsys):
+    """--seeds 0,1 saves each seed's recipes under "seeds": each is scored on its own."""
+    other = RECIPE | {"card_items": RECIPE["card_items"][1:]}
+    log = tmp_path / "seeds.log"
+    log.write_text(json.dumps({"seeds": {"0": {"recipes": {"default": RECIPE}},
+                                         "1": {"recipes": {"default": other}}}}) + "\n")
+    assert main([str(log)]) == 0
+    out = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert set(out) == {"seeds.log:default:seed0", "seeds.log:default:seed1"}
+    assert out["seeds.log:default:seed0"]["now"]["card"] == "2/2"
+    assert out["seeds.log:default:seed1"]["now"]["card"] == "1/1"

@@ -6,8 +6,9 @@ this, scoring (worker.dataset.probes.gives_answer) failed such replies: the card
 colleague questions' alike. `value_form` rewrites casefolded text into one form; scoring
 compares both sides in it. Only spellings that cannot change the value are merged: a number
 word is its figure, a thousands comma or a time's leading zero is dropped, a unit or an
-ordinal suffix is cut from its number, a month-first date is turned day-first. Nothing
-rounds, converts a unit or reads "a dozen". Pure Python.
+ordinal suffix is cut from its number, a month-first date is turned day-first, and a span of
+time is one way whether it is a noun or hyphened before one ("36 months", "a 36-month
+warranty": "36 month"). Nothing rounds, converts a unit or reads "a dozen". Pure Python.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ _GLUED_UNIT = re.compile(rf"(?<![\w.-])(\d+(?:[.,:]\d+)*)({_UNITS})\b")
 _ORDINAL = re.compile(r"(?<![\w.-])(\d{1,2})(?:st|nd|rd|th)\b")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _CLOCK_ZERO = re.compile(r"(?<![\d.,:])0(\d:\d\d)\b")
+# A figure and a span of time ("36 months", "36-month", "2 days", "a 2-day course"): the
+# unit singular, after a space.
+_DURATION = re.compile(
+    r"(?<![\w.,:-])(\d+(?:\.\d+)?)[\s-](second|minute|hour|day|week|month|year)s?\b"
+)
 _MONTHS = (
     "january|february|march|april|may|june|july|august|september|october|november|december"
 )
@@ -57,4 +63,5 @@ def value_form(text: str) -> str:
     text = _GLUED_UNIT.sub(r"\1 \2", text)
     text = _THOUSANDS.sub("", text)
     text = _CLOCK_ZERO.sub(r"\1", text)
+    text = _DURATION.sub(r"\1 \2", text)
     return _MONTH_FIRST.sub(_day_first, text)

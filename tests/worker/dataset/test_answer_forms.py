@@ -1,5 +1,6 @@
 """Scoring does not fail a reply for how it writes a value (worker.dataset.answer_forms):
-"seven years" is "7 years", "£7,895" gives "7895", "09:30" gives "9:30". And it still
+"seven years" is "7 years", "£7,895" gives "7895", "09:30" gives "9:30", "a 36-month
+warranty" gives "36 months". And it still
 refuses what is another value."""
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from worker.dataset.probes import gives_answer
 @pytest.mark.parametrize(
     ("text", "form"),
     [
-        ("seven years", "7 years"),
-        ("twenty-six days", "26 days"),
+        ("seven years", "7 year"),
+        ("twenty-six days", "26 day"),
+        ("a 36-month warranty, 36 months, 1 year", "a 36 month warranty, 36 month, 1 year"),
+        ("a two-day course, 1.5 hours", "a 2 day course, 1.5 hour"),
         ("forty two", "42"),
         ("no one came, one did", "no one came, 1 did"),
         ("£7,895 and 1,850", "£7895 and 1850"),
@@ -44,6 +47,9 @@ def test_a_value_is_written_one_way(text, form):
         ("3720 visits", "3,720"),
         ("One in 20 units.", "1 in 20"),
         ("twenty per cent", "20%"),
+        ("It has a 36-month warranty.", "36 months"),
+        ("A two-day course.", "2 days"),
+        ("Within 30 days.", "30-day"),
     ],
 )
 def test_a_value_written_another_way_is_given(output, answer):
@@ -62,6 +68,9 @@ def test_a_value_written_another_way_is_given(output, answer):
         ("£640k", "£640,000"),
         ("six months", "6%"),
         ("No one knows.", "1 in 20"),
+        ("a 24-hour delivery", "€24"),
+        ("a 36-month warranty", "6 months"),
+        ("3 months", "3 years"),
     ],
 )
 def test_another_value_is_still_not_given(output, answer):
