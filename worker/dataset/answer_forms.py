@@ -36,7 +36,7 @@ _CLOCK_ZERO = re.compile(r"(?<![\d.,:])0(\d:\d\d)\b")
 # A figure and a span of time ("36 months", "36-month", "2 days", "a 2-day course"): the
 # unit singular, after a space.
 _DURATION = re.compile(
-    r"(?<![\w.,:-])(\d+(?:\.\d+)?)[\s-](second|minute|hour|day|week|month|year)s?\b"
+    r"(?<![\w.,:])(\d+(?:\.\d+)?)[\s-](second|minute|hour|day|week|month|year)s?\b"
 )
 _MONTHS = (
     "january|february|march|april|may|june|july|august|september|october|november|december"

@@ -50,6 +50,7 @@ def test_a_value_is_written_one_way(text, form):
         ("It has a 36-month warranty.", "36 months"),
         ("A two-day course.", "2 days"),
         ("Within 30 days.", "30-day"),
+        ("It takes 10-15 minutes.", "15 minutes"),  # the end of a range, as before
     ],
 )
 def test_a_value_written_another_way_is_given(output, answer):
