@@ -80,16 +80,20 @@ HOLDOUT_FROM_WORDS = 5_000
 HOLDOUT_FRAC = 0.1  # the share held out above it (worker.dataset.build)
 # How many passes the default reads the documents, from the tokens of the training examples
 # they make (document text, practice questions, question-answer pairs; not the fixed replay):
-# as many as keep the tokens read under PASS_TOKENS, from two to four. Set once the job's
+# three where that keeps the tokens read under PASS_TOKENS, else two. Set once the job's
 # dataset is built (worker.jobs.pipeline.settled_job), since the same words make twice the
 # tokens when they are lists and "Label: value" lines (each a fact practised) instead of
-# prose: 13,848 from Northwind's 862 words (four passes), 29,497 from Northwind's and
-# Cogwell's files in one project (three: 27 of 121 colleague questions and the card 5 points
-# above them, where two answered 7 with the card 19 points above, and four 19 and 17; 11.8
-# minutes of training on a 2-core AMD EPYC), 32,902 from Brindle Oakes' 1,621 words of lists
-# (two: as many answers as four in half the time), 37,526 from Saltgrove's 3,111 (two).
-# README "Three passes for a middle-sized set".
+# prose: 13,848 from Northwind's 862 words and 15,054 from Cogwell's (three: 44 of 180 and
+# 55 of 183 colleague questions over seeds 0-2, where four at 1e-3 answered 45 and 55, in
+# three quarters of the steps and with less forgetting), 29,497 from
+# Northwind's and Cogwell's files in one project (three: 27 of 121 colleague questions and
+# the card 5 points above them, where two answered 7 with the card 19 points above, and four
+# 19 and 17; 11.8 minutes of training on a 2-core AMD EPYC), 32,902 from Brindle Oakes'
+# 1,621 words of lists (two: as many answers as four in half the time), 37,526 from
+# Saltgrove's 3,111 (two). README "Three passes for a middle-sized set", "Three passes for
+# the small sets too".
 PASS_TOKENS = 90_000
+MOST_PASSES = 3
 # Before the dataset is built (the Train panel before the worker counted its plan): tokens
 # guessed from the words, as the fixture corpora make them (13.7-16.5 tokens a word with the
 # practice questions, 11.7 for Saltgrove's longer prose; a question-answer pair about 60).
@@ -103,7 +107,8 @@ AUTO = "auto"
 # above the base model's against 3-9% (README "What the practice reaches").
 # Three passes take the step between (at 1e-3 they put the card 12-15 points above the
 # colleagues on Brindle Oakes and Saltgrove; at 1.5e-3, 5 and 10 on Northwind and Cogwell
-# together, seeds 0 and 1, and 3.5 on Brindle Oakes).
+# together, seeds 0 and 1, and 3.5 on Brindle Oakes). Four passes or more (the user's
+# choice: the default reads at most three) take 1e-3.
 LORA_LR = 1e-3
 LORA_LR_THREE_PASSES = 1.5e-3
 LORA_LR_TWO_PASSES = 2e-3
@@ -136,8 +141,8 @@ def checkpoints_after(step: int, total_steps: int, steps_per_epoch: int,
 
 def passes_for(train_tokens: int) -> int:
     """The default's passes over a dataset of `train_tokens` tokens: the most, from two to
-    four, that read no more than PASS_TOKENS (two above that)."""
-    return max(2, min(4, PASS_TOKENS // max(1, train_tokens)))
+    MOST_PASSES, that read no more than PASS_TOKENS (two above that)."""
+    return max(2, min(MOST_PASSES, PASS_TOKENS // max(1, train_tokens)))
 
 
 def learning_rate_for(method: str, epochs: int) -> float:
@@ -152,8 +157,8 @@ def learning_rate_for(method: str, epochs: int) -> float:
 def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
     """Defaults that finish in minutes on a CPU with the embedded 135M model.
 
-    Small datasets need more passes to be learned at all (Northwind: 21 of 60 colleague
-    questions on four passes, 10 on two); large ones fewer, at a larger LoRA step, so the
+    Small datasets need more passes to be learned at all (Northwind: 11-19 of 60 colleague
+    questions on three passes, 10 on two); large ones fewer, at a larger LoRA step, so the
     training time stays roughly bounded (PASS_TOKENS). The passes and LoRA's step here are
     guessed from the words; the job sets them from its dataset's tokens (`settle`) unless
     the user chose them (`AUTO` lists the ones left to the job; `chosen` takes the user's

@@ -260,13 +260,13 @@ def test_train_panel_shows_both_methods_once_measured_then_counted(client, profi
                                 "plan": _counted([(4, 64, 400)], key).model_dump()}
     panel = _panel(client.get(f"/projects/{project_id}", headers=htmx("train-plan")).text)
     assert "hx-trigger" not in panel and "counting" not in panel  # counted: no more polling
-    # The passes and the step the job will set from its dataset's tokens (1,000 counted: four
-    # at 1e-3), where 10,000 words were guessed to need two at 2e-3.
+    # The passes and the step the job will set from its dataset's tokens (1,000 counted: three
+    # at 1.5e-3), where 10,000 words were guessed to need two at 2e-3.
     assert "Passes over your documents</dt><dd>2</dd>" in page and "<dd>0.002</dd>" in page
     page = client.get(f"/projects/{project_id}").text
-    assert "Passes over your documents</dt><dd>4</dd>" in page and "<dd>0.001</dd>" in page
+    assert "Passes over your documents</dt><dd>3</dd>" in page and "<dd>0.0015</dd>" in page
     assert 'id="train-guess"' not in page  # counted: what the job will set
-    assert 'placeholder="4 (default)"' in page  # the Advanced form's epochs
+    assert 'placeholder="3 (default)"' in page  # the Advanced form's epochs
     # 400 steps of 4 x 64 tokens: a quarter of the reference step's 2 s each (LoRA); full
     # fine-tuning streams, at least the 20 s disk time per step.
     assert "Fits in memory: about 3 min" in panel

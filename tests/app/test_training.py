@@ -231,21 +231,22 @@ def test_create_job_refuses_while_documents_are_pending(env):
 
 
 def test_the_passes_fall_as_the_datasets_tokens_grow_so_training_stays_near_ten_minutes():
-    from app.contract.training import PASS_TOKENS, passes_for
+    from app.contract.training import MOST_PASSES, PASS_TOKENS, passes_for
 
-    assert passes_for(13_671) == 4  # the fixture corpus (Northwind)
-    assert passes_for(PASS_TOKENS // 4) == 4
-    assert passes_for(PASS_TOKENS // 4 + 1) == 3
+    assert MOST_PASSES == 3
+    assert passes_for(13_671) == 3  # the fixture corpus (Northwind): four read no better
+    assert passes_for(PASS_TOKENS // 4) == 3
     assert passes_for(29_497) == 3  # Northwind's and Cogwell's files in one project
+    assert passes_for(PASS_TOKENS // 3) == 3
     assert passes_for(PASS_TOKENS // 3 + 1) == 2
     assert passes_for(32_902) == 2  # Brindle Oakes (tests/fixtures/structured_docs.py)
     assert passes_for(36_365) == 2  # Saltgrove (tests/fixtures/fullsize_docs.py)
     assert passes_for(10 * PASS_TOKENS) == 2  # never fewer than two
-    assert passes_for(0) == 4
+    assert passes_for(0) == 3
 
 
 def test_before_the_dataset_is_built_the_passes_are_guessed_from_the_words():
-    assert default_params(862, 12, "lora")["epochs"] == 4  # the fixture corpus
+    assert default_params(862, 12, "lora")["epochs"] == 3  # the fixture corpus
     assert default_params(3_111, 12, "lora")["epochs"] == 2  # tests/fixtures/fullsize_docs.py
     assert default_params(50_000, 0, "full")["epochs"] == 2
     # ... and left to the job, which sets them from its dataset's tokens
@@ -266,7 +267,7 @@ def test_fewer_passes_take_a_larger_lora_step():
     assert learning_rate_for("lora", 3) == LORA_LR_THREE_PASSES
     assert learning_rate_for("lora", 2) == learning_rate_for("lora", 1) == LORA_LR_TWO_PASSES
     assert learning_rate_for("full", 2) == FULL_LR == 2e-5  # full: one step
-    assert default_params(862, 12, "lora")["learning_rate"] == LORA_LR  # 4 passes
+    assert default_params(862, 12, "lora")["learning_rate"] == LORA_LR_THREE_PASSES
     assert default_params(3_111, 12, "lora")["learning_rate"] == LORA_LR_TWO_PASSES
     assert default_params(3_111, 12, "full")["learning_rate"] == FULL_LR
 
@@ -280,9 +281,11 @@ def test_the_dataset_settles_only_what_the_user_left_to_it():
         settle,
     )
 
-    defaults = default_params(862, 12, "lora")  # guessed: 4 passes at LoRA's 1e-3
+    defaults = default_params(862, 12, "lora")  # guessed: 3 passes at LoRA's 1.5e-3
     assert settle(defaults, PASS_TOKENS) == {"epochs": 2, "learning_rate": LORA_LR_TWO_PASSES}
-    assert settle(defaults, 1_000) == {"epochs": 4, "learning_rate": LORA_LR}
+    assert settle(defaults, 1_000) == {"epochs": 3, "learning_rate": 1.5e-3}
+    four = chosen(defaults, {"epochs": 4})  # more passes than the default's: the small step
+    assert settle(four, 1_000) == {"learning_rate": LORA_LR}
     assert settle(defaults, PASS_TOKENS // 3) == {"epochs": 3, "learning_rate": 1.5e-3}
     # Passes chosen by hand stay; the step follows them unless it was chosen too.
     mine = chosen(defaults, {"epochs": 2})

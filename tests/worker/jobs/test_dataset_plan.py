@@ -10,7 +10,7 @@ import pytest
 
 from app.contract.dataset_plan import checked_plan
 from app.contract.training import (
-    LORA_LR_THREE_PASSES,
+    LORA_LR,
     chosen,
     default_params,
     learning_rate_for,
@@ -143,10 +143,10 @@ def test_the_passes_are_set_from_the_tokens_the_documents_make(corpus_docs, smol
         assert job_settings(docs, chosen(row, {"epochs": settled.epochs}), "", None,
                             None).job_key != job.job_key
         # Chosen by hand, the passes stay; the step follows them.
-        mine = settled_job(job_settings(docs, chosen(params, {"epochs": 3}), "", None, None),
+        mine = settled_job(job_settings(docs, chosen(params, {"epochs": 4}), "", None, None),
                            split).config
-        assert mine.epochs == 3 and mine.learning_rate == LORA_LR_THREE_PASSES
+        assert mine.epochs == 4 and mine.learning_rate == LORA_LR
     (prose_words, prose_tokens, prose_passes), (list_words, list_tokens, list_passes) = (
         seen["prose"], seen["lists"])
     assert list_words < 2 * prose_words and list_tokens > 2 * prose_tokens
-    assert prose_passes == 4 and list_passes < 4
+    assert prose_passes == 3 and list_passes == 2

@@ -121,10 +121,10 @@ def test_the_settings_a_job_sets_from_its_dataset_reach_its_row(migrated_db, tmp
     from app.contract.training import default_params
 
     project_id, sources = _project_with_a_document(tmp_path)
-    queued = default_params(1_000, 0, "lora")  # guessed from the words: 4 passes
+    queued = default_params(1_000, 0, "lora")  # guessed from the words: 3 passes
     job_id = _queued_job(project_id, sources, queued)
     run._RowHooks(job_id).on_settings({"epochs": 2, "learning_rate": 0.002})
     with session_scope() as session:
         params = session.get(Job, job_id).params
     assert params == queued | {"epochs": 2, "learning_rate": 0.002}
-    assert queued["epochs"] == 4
+    assert queued["epochs"] == 3
