@@ -85,13 +85,12 @@ HOLDOUT_FRAC = 0.1  # the share held out above it (worker.dataset.build)
 # tokens when they are lists and "Label: value" lines (each a fact practised) instead of
 # prose: 13,848 from Northwind's 862 words and 15,054 from Cogwell's (three: 44 of 180 and
 # 55 of 183 colleague questions over seeds 0-2, where four at 1e-3 answered 45 and 55, in
-# three quarters of the steps and with less forgetting), 29,497 from
-# Northwind's and Cogwell's files in one project (three: 27 of 121 colleague questions and
-# the card 5 points above them, where two answered 7 with the card 19 points above, and four
-# 19 and 17; 11.8 minutes of training on a 2-core AMD EPYC), 32,902 from Brindle Oakes'
-# 1,621 words of lists (two: as many answers as four in half the time), 37,526 from
-# Saltgrove's 3,111 (two). README "Three passes for a middle-sized set", "Three passes for
-# the small sets too".
+# three quarters of the steps and with less forgetting), 29,497 from Northwind's and
+# Cogwell's files in one project (three: 27 of 121 colleague questions and the card 5 points
+# above them, where two answered 7 with the card 19 points above, and four 19 and 17; 11.8
+# minutes of training on a 2-core AMD EPYC), 32,902 from Brindle Oakes' 1,621 words of lists
+# (two: as many answers as four in half the time), 37,526 from Saltgrove's 3,111 (two).
+# README "Three passes for a middle-sized set", "Three passes for the small sets too".
 PASS_TOKENS = 90_000
 MOST_PASSES = 3
 # Before the dataset is built (the Train panel before the worker counted its plan): tokens

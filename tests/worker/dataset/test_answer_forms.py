@@ -1,7 +1,6 @@
 """Scoring does not fail a reply for how it writes a value (worker.dataset.answer_forms):
 "seven years" is "7 years", "£7,895" gives "7895", "09:30" gives "9:30", "a 36-month
-warranty" gives "36 months". And it still
-refuses what is another value."""
+warranty" gives "36 months". And it still refuses what is another value."""
 
 from __future__ import annotations
 
