@@ -60,8 +60,12 @@ def how_often_right(session: Session, job_id: int | None) -> str | None:
         return None
     pct = round(100 * recall.rate_after)
     if recall.kind == "questions":
-        return (f"On its score card it answered {recall.after} of {recall.n} questions about "
+        line = (f"On its score card it answered {recall.after} of {recall.n} questions about "
                 f"your documents right ({pct}%).")
+        if recall.colleague_after is not None:  # what a colleague would see (the card's figure)
+            line = (f"{line[:-1]}: a colleague asking in their own words would get about "
+                    f"{round(100 * recall.colleague_after)}% right.")
+        return line
     return (f"On its score card it completed {recall.after} of {recall.n} facts from your "
             f"documents ({pct}%).")
 

@@ -60,10 +60,13 @@ class Probe(_Answered):
 
 
 # How a question is put, in the order the score card lists them, with the card's words for
-# each ("22 in a colleague's own words"). Defined once here: the worker records one of these
+# each ("22 asked in the documents' own terms"). Defined once here: the worker records one of these
 # keys on every question it asks (`Question.kind`), and a new kind is added here first.
 QUESTION_KINDS: dict[str, str] = {
-    "other words": "in a colleague's own words",  # a short forward question, reworded
+    # A short forward question: fronted and cut, but in the document's own terms for the thing
+    # ("How often are laptops replaced?"), where a colleague uses theirs ("How often do we get
+    # a new laptop?"). The key stays as jobs stored it.
+    "other words": "asked in the documents' own terms",
     "reverse": "asked the other way round",  # from the other end of the relation
     "table": "looked up in a table",  # a cell of a table, by row and column
 }
@@ -104,6 +107,37 @@ def kind_counts(questions: Questions) -> dict[str, tuple[int, int]]:
             tally[item.kind][0] += item.hit
             tally[item.kind][1] += 1
     return {kind: (hits, n) for kind, (hits, n) in tally.items() if n}
+
+
+# What a colleague would see, estimated from the card's questions (README "What a colleague
+# would see"). The card's forward questions keep the documents' terms for the thing ("How
+# often are laptops replaced?"), and no rule can reword them (nor can the embedded model:
+# README "The base model as its own paraphraser"); a colleague asks in their own ("How often
+# do we get a new laptop?") and is answered less often. So the card counts its forward
+# questions at these odds of the share it got right: 60% reads as 43%, 90% as 82%, none
+# and all as they are. Questions the other way round and table lookups count as answered.
+# Fitted with scripts/experiments/card_pool.py to six tuned models of two companies
+# (Northwind, Cogwell: the default, three seeds each; the root mean square of the
+# headline's gap to 60- and 61-question colleague sets is least at 0.5, 8.4 points, against
+# 11.1 for the share right) and checked on a third company it was not fitted to (Saltgrove).
+OWN_WORDS_ODDS = 0.5
+
+
+def colleague_share(questions: Questions) -> float | None:
+    """The share of a colleague's questions the model would answer, estimated from the
+    card's: each kind as answered, the forward ones ("other words") at OWN_WORDS_ODDS. None
+    when the questions carry no kinds (older jobs)."""
+    tally = kind_counts(questions)
+    if not tally:
+        return None
+    counted = 0.0
+    for kind, (hits, n) in tally.items():
+        if kind == "other words":
+            rate = hits / n
+            counted += n * rate * OWN_WORDS_ODDS / (1 - rate + rate * OWN_WORDS_ODDS)
+        else:
+            counted += hits
+    return counted / sum(n for _, n in tally.values())
 
 
 class General(_Part):
@@ -216,6 +250,10 @@ class RecallFigures:
     before: int
     after: int
     kind: RecallKind  # "questions" (asked in chat) or "completion" (sentence completions)
+    # A colleague's questions answered, estimated from the kinds (`colleague_share`); None
+    # where the questions carry no kinds (older jobs, completions).
+    colleague_before: float | None = None
+    colleague_after: float | None = None
 
     @property
     def gain(self) -> int:
@@ -224,6 +262,11 @@ class RecallFigures:
     @property
     def rate_after(self) -> float:
         return self.after / self.n if self.n else 0.0
+
+    @property
+    def likely_after(self) -> float:
+        """What a colleague would see: the estimate where there is one, else the share right."""
+        return self.colleague_after if self.colleague_after is not None else self.rate_after
 
 
 def headline_recall(
@@ -234,7 +277,11 @@ def headline_recall(
     before, after = as_side(before), as_side(after)
     if headline_kind(after) == "questions":
         n, hits = after.question_counts()
-        return RecallFigures(n, before.question_counts()[1], hits, "questions")
+        return RecallFigures(
+            n, before.question_counts()[1], hits, "questions",
+            colleague_share(_kinded_like(before.questions, after.questions)),
+            colleague_share(after.questions),
+        )
     n, hits = after.completion_counts()
     return RecallFigures(n, before.completion_counts()[1], hits, "completion")
 
@@ -258,6 +305,16 @@ class KindFigures:
         return self.after / self.n if self.n else 0.0
 
 
+def _kinded_like(before: Questions, after: Questions) -> Questions:
+    """The questions before training, each under the kind it has after (a question asked
+    of both sides is the same question); without items before, none of them."""
+    kind_of = {(q.question, q.answer): q.kind for q in after.items}
+    return Questions(items=[
+        q.model_copy(update={"kind": kind_of.get((q.question, q.answer), q.kind)})
+        for q in before.items
+    ])
+
+
 def kind_figures(
     before: Side | Mapping[str, Any] | None, after: Side | Mapping[str, Any] | None
 ) -> list[KindFigures]:
@@ -271,13 +328,9 @@ def kind_figures(
     if not tally:
         return []
     # The same questions before training, each counted under the kind it has after.
-    kind_of = {(q.question, q.answer): q.kind for q in after.questions.items}
     if before.questions.items:
-        relabelled = [
-            q.model_copy(update={"kind": kind_of.get((q.question, q.answer), q.kind)})
-            for q in before.questions.items
-        ]
-        was: dict[str, tuple[int, int]] | None = kind_counts(Questions(items=relabelled))
+        was: dict[str, tuple[int, int]] | None = kind_counts(
+            _kinded_like(before.questions, after.questions))
     else:  # no items before: only "none right" can be told apart
         was = {} if before.questions.n_recalled == 0 else None
     return [

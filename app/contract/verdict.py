@@ -26,11 +26,12 @@ from app.contract.scores import (
 # General-text perplexity may rise this much (relative) before we call it forgetting.
 FORGETTING_RISE = 0.20
 # A headline recall at least this high, without forgetting, is "safe to use"; below it (a
-# real gain all the same) is "partial". The questions are put the way a colleague asks
-# (app.contract.scores.QUESTION_KINDS) and the headline is calibrated to within 10 points of
-# hand-written colleague questions (scripts/experiments/recall.py), so 60% on the card means
-# a colleague sees at least about half of their questions answered right. (It was 0.5 while
-# the questions stayed close to the documents' sentences, which overstated recall threefold.)
+# real gain all the same) is "partial". The recall judged is what a colleague would see,
+# estimated from the card's questions by kind (app.contract.scores.colleague_share; the
+# share right for older jobs) and checked against hand-written colleague questions
+# (scripts/experiments/recall.py), so 60% means a colleague sees at least about half of
+# their questions answered right. (It was 0.5 while the questions stayed close to the
+# documents' sentences, which overstated recall threefold.)
 SAFE_RECALL = 0.6
 # Below this headline recall a colleague gets most answers wrong (under half right, given
 # the 10 points of calibration); between it and SAFE_RECALL, often wrong.
@@ -223,7 +224,7 @@ def _not_ready_advice(kinds: list[KindFigures]) -> list[str]:
     return [add, OPEN_BOOK]
 
 
-def wilson_lower(hits: int, n: int, z: float = CONFIDENCE_Z) -> float:
+def wilson_lower(hits: float, n: int, z: float = CONFIDENCE_Z) -> float:
     """The lower end of the Wilson score interval for `hits` of `n` (Wilson 1927): the rate
     p below hits/n with (hits/n - p)^2 = z^2 p (1 - p) / n. Unlike hits/n minus a normal
     margin it stays within 0..1 and holds up for the few dozen questions a card asks."""
@@ -233,6 +234,14 @@ def wilson_lower(hits: int, n: int, z: float = CONFIDENCE_Z) -> float:
     centre = p + zz / (2 * n)
     margin = z * math.sqrt(p * (1 - p) / n + zz / (4 * n * n))
     return max(0.0, (centre - margin) / (1 + zz / n))
+
+
+def _colleague(recall: RecallFigures) -> str:
+    """What a colleague would see (app.contract.scores.colleague_share), "" without it."""
+    if recall.colleague_after is None:
+        return ""
+    return (f" A colleague asking in their own words would get about "
+            f"{round(100 * recall.colleague_after)}% right.")
 
 
 def _scored(recall: RecallFigures) -> str:
@@ -247,15 +256,18 @@ def _scored(recall: RecallFigures) -> str:
 def _too_few(recall: RecallFigures) -> str:
     """The headline of a model that scored high on too few questions to call it safe."""
     return (
-        f"{_scored(recall)} Not sure yet: {recall.n} are too few to tell a ready model from "
-        "one that is often wrong."
+        f"{_scored(recall)}{_colleague(recall)} Not sure yet: {recall.n} are too few to tell a "
+        "ready model from one that is often wrong."
     )
 
 
 def _not_ready(recall: RecallFigures) -> str:
     """The partial level's headline: what the model can and cannot do yet."""
+    if recall.colleague_after is not None:
+        return (f"{_scored(recall)} Not ready: a colleague asking in their own words would get "
+                f"about {round(100 * recall.colleague_after)}% right.")
     if recall.kind == "questions":
-        how_often = "most of the time" if recall.rate_after < MOSTLY_WRONG else "often"
+        how_often = "most of the time" if recall.likely_after < MOSTLY_WRONG else "often"
         return f"{_scored(recall)} Not ready: a colleague would get a wrong answer {how_often}."
     return f"{_scored(recall)} Not ready: it still misses {recall.n - recall.after} of them."
 
@@ -266,7 +278,8 @@ def _judge(
     """(level, headline, advice) from the headline recall and the forgetting check; `kinds`
     (the headline questions by kind, [] for older jobs) says which kinds it misses."""
     advice: list[str] = []
-    learned = f"Learned {recall.after} of {recall.n} facts (was {recall.before})."
+    learned = f"Learned {recall.after} of {recall.n} facts (was {recall.before}).{_colleague(recall)}"
+    likely = recall.likely_after  # what a colleague would see
     barely = abs(recall.gain) < max(MIN_GAIN, math.ceil(MIN_GAIN_SHARE * recall.n))
     if recall.gain < 0 and not barely:
         level = "worse"
@@ -289,14 +302,14 @@ def _judge(
     elif forgot:
         level = "forgetting"
         headline = f"{learned[:-1]}, but the model got worse at general English; try fewer epochs."
-        if recall.rate_after < SAFE_RECALL:  # not ready either way: say both
+        if likely < SAFE_RECALL:  # not ready either way: say both
             headline = f"{_not_ready(recall)} It also got worse at general English."
             advice += _not_ready_advice(kinds)
         advice.append(
             f"Try fewer epochs{tips.fewer_epochs} or a lower learning rate{tips.half_lr}"
             " to keep its general skills."
         )
-    elif recall.rate_after >= SAFE_RECALL and wilson_lower(recall.after, recall.n) < MOSTLY_WRONG:
+    elif likely >= SAFE_RECALL and wilson_lower(likely * recall.n, recall.n) < MOSTLY_WRONG:
         level, headline = "partial", _too_few(recall)
         advice.append(
             "Check the side-by-side answers below before you rely on it, and add documents or "
@@ -304,7 +317,7 @@ def _judge(
             "ask more questions."
         )
         advice.append(OPEN_BOOK)
-    elif recall.rate_after >= SAFE_RECALL:
+    elif likely >= SAFE_RECALL:
         level, headline = "good", f"{learned} Safe to use."
         if _weak(kinds):
             advice.append(f"{_handles(kinds)} {_what_to_add(kinds)}")

@@ -89,6 +89,11 @@ class ScoreCard:
     # The headline questions by how they were put (QUESTION_KINDS order); [] for older jobs,
     # whose questions carry no kind.
     kinds: list[KindFigures] = field(default_factory=list)
+    # What a colleague would see, estimated from the kinds (app.contract.scores
+    # colleague_share), as shares; None for older jobs, whose questions carry no kind.
+    colleague_before: float | None = None
+    colleague_after: float | None = None
+    colleague_previous: float | None = None
     qa_rows: list[QARow] = field(default_factory=list)
     verdict: Verdict | None = None
     notes: list[str] = field(default_factory=list)  # from dataset building (Job.dataset)
@@ -127,6 +132,22 @@ class ScoreCard:
             parts.append(f"{rest} put otherwise")
         plural = "s" if self.n_probes != 1 else ""
         return f"Asked {self.n_probes} question{plural}: {', '.join(parts)}."
+
+    @property
+    def headline_pcts(self) -> tuple[float | None, float | None]:
+        """The recall the card leads with, before and after, in percent: what a colleague
+        would see where the questions carry kinds, else the share of its questions right."""
+        if self.colleague_after is not None:
+            before = self.colleague_before
+            return (None if before is None else 100 * before), 100 * self.colleague_after
+        return self.recall_before.pct, self.recall_after.pct
+
+    @property
+    def headline_previous_pct(self) -> float | None:
+        """The previous version's recall, in the same terms as `headline_pcts`."""
+        if self.colleague_after is not None:
+            return None if self.colleague_previous is None else 100 * self.colleague_previous
+        return self.recall_previous.pct if self.recall_previous is not None else None
 
     @property
     def general_rise(self) -> float | None:
@@ -275,11 +296,14 @@ def score_card(
         card.recall_before = Recall(recall.before, recall.n)
         card.recall_after = Recall(recall.after, recall.n)
         card.kinds = kind_figures(before, after)
+        card.colleague_before, card.colleague_after = recall.colleague_before, recall.colleague_after
         card.side_by_side = _sample(
             _paired_rows(before.questions.items, after.questions.items, "question"), side_by_side
         )
     if parsed.previous is not None:
         _previous_figures(card, parsed.previous, previous_label)
+        if card.colleague_after is not None:  # the previous version's answers, kinded alike
+            card.colleague_previous = headline_recall(parsed.previous, after).colleague_before
     card.probes = _paired_rows(before.probes, after.probes, "prompt")[:max_probes]
     _qa_figures(card, before.qa, after.qa, side_by_side)
     return card
@@ -309,11 +333,10 @@ def score_summary(scores: Scores | Mapping[str, Any] | None) -> str | None:
         return None
     if card is None or card.recall_after.pct is None:
         return None
-    before = card.recall_before.pct
-    after = card.recall_after.pct
+    before, after = card.headline_pcts
     line = f"Recall {before:.0f}% → {after:.0f}%" if before is not None else f"Recall {after:.0f}%"
     # The version it started from, on the same probes.
-    was = card.recall_previous.pct if card.recall_previous is not None else None
+    was = card.headline_previous_pct
     if was is not None:
         line += f" (previous version {was:.0f}%)"
     return line

@@ -9,8 +9,10 @@ measures for each:
   looking up a table cell), asked in chat (greedy), counted when the answer contains the
   fact, with the hits of each kind. Written by a person, never seen in training (the ones
   whose answers live in the Q&A files ask about training pairs, so they are reported apart);
-- the gap: the score card's headline (its questions recalled, in percent) less the
-  employee score (in percent). The card must stay within 10 points of what colleagues see;
+- the gap: the score card's headline (what a colleague would see, estimated from its
+  questions by kind: app.contract.scores.colleague_share) less the employee score, in
+  points. The card must stay within 10 points of what colleagues see (the share of the
+  card's own questions right, and its gap, are kept beside: card_right, gap_right_points);
 - the app's own score: recall probes asked as questions (held-out phrasings) and as
   sentence completions, held-out perplexity, and the forgetting check.
 
@@ -758,6 +760,22 @@ def by_fact(card_items: list[dict], employee_items: list[dict]) -> dict:
             "colleagues_other_facts": share(rest)}
 
 
+def card_headline(questions) -> float:
+    """The score card's headline in percent: what a colleague would see, estimated from the
+    questions' kinds (app.contract.scores.colleague_share), or the share right without kinds.
+    `questions`: app.contract.scores.Questions, or scored items (dicts with kind and hit)."""
+    from app.contract.scores import Questions, colleague_share
+
+    if not isinstance(questions, Questions):
+        questions = Questions(items=[{"kind": i["kind"], "hit": bool(i["hit"])}
+                                     for i in questions])
+    share = colleague_share(questions)
+    if share is None:
+        items = questions.items
+        share = sum(i.hit for i in items) / len(items) if items else 0.0
+    return 100 * share
+
+
 def _summary(scores: dict) -> dict:
     """One side's figures (app.contract.scores) and the employee questions asked of it."""
     from app.contract.scores import as_side, kind_counts
@@ -765,14 +783,20 @@ def _summary(scores: dict) -> dict:
     e, o = scores["employee"], scores.get("open_book")
     side = as_side({k: v for k, v in scores.items()
                     if k not in ("employee", "open_book", "also")})
-    headline = 100 * side.questions.n_recalled / side.questions.n if side.questions.n else 0.0
+    share_right = 100 * side.questions.n_recalled / side.questions.n if side.questions.n else 0.0
+    headline = card_headline(side.questions)
     return {
         "card_by_kind": {k: f"{h}/{n}" for k, (h, n) in kind_counts(side.questions).items()},
         "employee": f"{e['hits']}/{e['n']}",
         "employee_text": f"{e['hits_text']}/{e['n_text']}",
         "employee_by_kind": e["by_kind"],
         **({"employee_by_company": e["by_company"]} if e.get("by_company") else {}),
+        # The card's headline (what a colleague would see, estimated from its kinds) less
+        # the colleague score; the share of its own questions right, and that gap, beside.
+        "card_headline": round(headline, 1),
         "gap_points": round(headline - 100 * e["hits"] / e["n"], 1),
+        "card_right": round(share_right, 1),
+        "gap_right_points": round(share_right - 100 * e["hits"] / e["n"], 1),
         "probe_questions": f"{side.questions.n_recalled}/{side.questions.n}",
         "completions": f"{side.n_recalled}/{side.n_probes}",
         "heldout_ppl": round(side.perplexity, 2) if side.perplexity else None,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 def figures(card: list[dict], colleagues: list[dict]) -> dict:
     """The recall experiment's figures of scored items (each with a "hit")."""
-    from scripts.experiments.recall import by_fact, share, shares_by
+    from scripts.experiments.recall import by_fact, card_headline, share, shares_by
 
     def by_kind(items: list[dict]) -> dict[str, str]:
         return shares_by(items, lambda i: i["kind"])
@@ -32,7 +32,8 @@ def figures(card: list[dict], colleagues: list[dict]) -> dict:
         "employee_by_kind": by_kind(colleagues),
         "card": share(card),
         "card_by_kind": by_kind(card),
-        "gap_points": round(pct(card) - pct(colleagues), 1),
+        "gap_points": round(card_headline(card) - pct(colleagues), 1),
+        "gap_right_points": round(pct(card) - pct(colleagues), 1),
         "by_fact": by_fact(card, colleagues),
     }
 

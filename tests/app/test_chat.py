@@ -63,14 +63,19 @@ def test_the_chat_offers_the_versions_and_the_base_model(client):
 def test_a_conversation_says_how_often_its_version_was_right(client):
     """Beside a tuned version's answers, its score card's figure on questions it never
     trained on, taken from the job's own scores; the base model (no card) gets none."""
-    from tests.app.test_score_card import full_scores
+    from tests.app.test_score_card import full_scores, with_kinds
 
+    # Its questions by kind: 13 right, the first five the other way round (all right), then
+    # 8 of 16 forward and none of eight from a table.
+    kinded = with_kinds(full_scores(n=29, after_hits=13),
+                        ["reverse"] * 5 + ["other words"] * 16 + ["table"] * 8)
     with session_scope() as session:
         project = make_project(session, "Handbook")
         old = make_job(session, project, JobState.done)  # sentence completions: 6 of 10
         new = make_job(session, project, JobState.done, scores=full_scores(n=29, after_hits=13))
-        ids = project.id, old.id, new.id
-    project_id, old_id, new_id = ids
+        both = make_job(session, project, JobState.done, scores=kinded)
+        ids = project.id, old.id, new.id, both.id
+    project_id, old_id, new_id, kinded_id = ids
 
     def header(model: str, documents: bool = False) -> str:
         r = client.post(f"/projects/{project_id}/chat", follow_redirects=False,
@@ -84,6 +89,11 @@ def test_a_conversation_says_how_often_its_version_was_right(client):
                            "documents right (45%).")
     assert "or start a conversation that uses them" in line
     assert "completed 6 of 10 facts from your documents (60%)" in header(str(old_id))
+    # With kinds, what a colleague would see beside it: the forward half at colleagues' odds
+    # (a third), the other kinds as answered: (5 + 16/3) of 29.
+    assert header(str(kinded_id)).startswith(
+        "On its score card it answered 13 of 29 questions about your documents right (45%): "
+        "a colleague asking in their own words would get about 36% right.")
     assert "start a conversation that uses them" not in header(str(new_id), documents=True)
     assert header("base") == ""
 

@@ -101,7 +101,7 @@ def with_kinds(scores: dict[str, Any], kinds: Sequence[str]) -> dict[str, Any]:
 # 3 of 3, other words 2 of 4, reverse 0 of 3.
 KINDS = ["table"] * 3 + ["other words"] * 4 + ["reverse"] * 3
 KINDS_LINE = (
-    "Asked 10 questions: 4 in a colleague's own words (2 right, was 0), 3 asked the other way "
+    "Asked 10 questions: 4 asked in the documents' own terms (2 right, was 0), 3 asked the other way "
     "round (0 right, was 0), 3 looked up in a table (3 right, was 1)."
 )
 
@@ -138,8 +138,9 @@ def test_the_card_counts_each_kind_of_question_before_and_after():
     # 5 of 10 is below a safe recall: the verdict names the kinds it misses.
     assert card.verdict.level == "partial"
     assert card.verdict.advice[0].startswith(
-        "It answers questions looked up in a table (3 of 3) but only sometimes questions in a "
-        "colleague's own words (2 of 4) and rarely questions asked the other way round (0 of 3)."
+        "It answers questions looked up in a table (3 of 3) but only sometimes questions asked "
+        "in the documents' own terms (2 of 4) and rarely questions asked the other way round "
+        "(0 of 3)."
     )
 
 
@@ -203,7 +204,7 @@ def test_job_page_shows_verdict_side_by_side_and_forgetting_check(client):
 
 def test_job_page_says_how_many_of_each_kind_it_asked(client):
     text = _page(client, with_kinds(full_scores(before_hits=1, after_hits=5), KINDS))
-    assert "colleague&#39;s own words (2 right, was 0)" in text  # escaped like all text
+    assert "the documents&#39; own terms (2 right, was 0)" in text  # escaped like all text
     text = html.unescape(text)
     assert KINDS_LINE in text
     assert "None of these questions was trained on." in text
@@ -211,8 +212,14 @@ def test_job_page_says_how_many_of_each_kind_it_asked(client):
     assert "the other way round (“What has a lifetime warranty?”)" in text
     assert (
         "Answers 5 of 10 questions about your documents correctly (was 1). Not ready: a colleague "
-        "would get a wrong answer often."
+        "asking in their own words would get about 43% right."
     ) in text
+    # The figure it leads with is that estimate, not the 5 of 10 (50%): table 3 of 3 and
+    # reverse 0 of 3 as answered, the forward 2 of 4 at colleagues' odds (a third).
+    assert "The share of a colleague's questions it would answer, estimated from 5 of 10" in text
+    values = text.split('class="metric-values"', 1)[1].split("</p>", 1)[0]
+    assert "10%" in values and "43%" in values and "50%" not in values
+    assert "How often are laptops replaced?" in text
     assert "rarely questions asked the other way round (0 of 3)" in text
 
     # An older job: no kinds, no such line, and the explanation says what its questions were.

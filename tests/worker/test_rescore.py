@@ -31,7 +31,9 @@ RECIPE = {
 def test_saved_figures_and_what_changed():
     r = rescore_recipe(RECIPE)
     assert r["saved"]["card"] == "1/2" and r["saved"]["employee"] == "2/4"
-    assert r["saved"]["gap_points"] == 0.0
+    # The headline (what a colleague would see) and the share right agree where the forward
+    # questions are all right or all wrong (app.contract.scores.colleague_share).
+    assert r["saved"]["gap_points"] == 0.0 and r["saved"]["gap_right_points"] == 0.0
     assert r["now"]["card"] == "2/2" and r["now"]["employee"] == "2/4"
     assert r["now"]["card_by_kind"] == {"other words": "1/1", "table": "1/1"}
     assert r["now"]["employee_by_kind"] == {"other words": "1/1", "as written": "1/1",

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from app.contract.artifacts import ADAPTER, MERGED
-from app.contract.scores import Scores, Side, headline_kind, parse_scores
+from app.contract.scores import Scores, Side, headline_kind, headline_recall, parse_scores
 from app.contract.training import FIELD_NAMES, FIELDS, METHODS
 from app.contract.verdict import verdict
 
@@ -112,6 +112,11 @@ def _print_scores(scores: Scores, params: dict | None) -> None:
     if headline_kind(after) == "questions":
         n, hits = after.question_counts()
         print(f"  knowledge recall (questions): {before.questions.n_recalled}/{n} -> {hits}/{n}")
+        recall = headline_recall(before, after)
+        if recall.colleague_after is not None:  # what the card leads with
+            was = recall.colleague_before or 0.0
+            print(f"  a colleague's questions (estimated from the kinds): {100 * was:.0f}% -> "
+                  f"{100 * recall.colleague_after:.0f}%")
     print(f"  knowledge recall (completions): {before.n_recalled}/"
           f"{before.n_probes} -> {after.n_recalled}/{after.n_probes}")
     print(f"  held-out perplexity: {before.perplexity} -> {after.perplexity}")

@@ -7,11 +7,13 @@ import copy
 import pytest
 
 from app.contract.scores import (
+    OWN_WORDS_ODDS,
     QUESTION_KINDS,
     Questions,
     Side,
     as_side,
     checked_scores,
+    colleague_share,
     headline_kind,
     headline_recall,
     kind_counts,
@@ -132,3 +134,44 @@ def test_kind_figures_count_the_same_questions_before_and_after():
     assert [k.before for k in kind_figures(raw["before"], raw["after"])] == [0, 0, 0]
     raw["before"]["questions"]["n_recalled"] = 1
     assert [k.before for k in kind_figures(raw["before"], raw["after"])] == [None] * 3
+
+
+def _asked(tally: dict[str, tuple[int, int]]) -> Questions:
+    return Questions.model_validate({"items": [
+        {"question": f"{kind} {i}?", "kind": kind, "hit": i < hits}
+        for kind, (hits, n) in tally.items() for i in range(n)
+    ]})
+
+
+def test_what_a_colleague_would_see_counts_the_documents_terms_at_lower_odds():
+    # Forward questions alone: their share right at colleagues' odds; none or all stay so.
+    assert OWN_WORDS_ODDS == 0.5
+    for hits, expected in ((0, 0.0), (6, 3 / 7), (9, 9 / 11), (10, 1.0)):
+        share = colleague_share(_asked({"other words": (hits, 10)}))
+        assert share == pytest.approx(expected)
+    odds = lambda p: p / (1 - p)
+    assert odds(colleague_share(_asked({"other words": (6, 10)}))) == pytest.approx(
+        OWN_WORDS_ODDS * odds(0.6))
+    # Reverse and table questions count as answered; each question once (the card's mix).
+    tally = {"other words": (6, 9), "reverse": (3, 8), "table": (1, 12)}
+    forward = (6 / 9) * OWN_WORDS_ODDS / (1 - 6 / 9 + (6 / 9) * OWN_WORDS_ODDS)
+    assert colleague_share(_asked(tally)) == pytest.approx((9 * forward + 3 + 1) / 29)
+    assert colleague_share(_asked({"reverse": (3, 8), "table": (1, 12)})) == pytest.approx(4 / 20)
+    # Older jobs' questions carry no kind: no estimate.
+    assert colleague_share(Questions.model_validate({"items": [{"question": "Q?", "hit": True}]})) is None
+    assert colleague_share(Questions()) is None
+
+
+def test_the_headline_carries_what_a_colleague_would_see_before_and_after():
+    scores = parse_scores(with_kinds(full_scores(before_hits=1, after_hits=5), KINDS))
+    recall = headline_recall(scores.before, scores.after)
+    assert (recall.after, recall.n, recall.rate_after) == (5, 10, 0.5)
+    # After: table 3 of 3, forward 2 of 4 (at the odds: a third), reverse 0 of 3; before:
+    # table 1 of 3 only.
+    assert recall.colleague_after == pytest.approx((3 + 4 / 3) / 10)
+    assert recall.colleague_before == pytest.approx(1 / 10)
+    assert recall.likely_after == recall.colleague_after
+    # Without kinds the headline is the share right, as before.
+    plain = parse_scores(full_scores(after_hits=5))
+    recall = headline_recall(plain.before, plain.after)
+    assert recall.colleague_after is None and recall.likely_after == 0.5

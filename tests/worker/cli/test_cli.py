@@ -82,3 +82,20 @@ def test_doctune_train_without_usable_text_says_why(tmp_path, tiny_base_model):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["state"] == "failed" and "text" in result["error"].lower()
     assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_the_printed_scores_lead_with_what_a_colleague_would_see(capsys):
+    from app.contract.scores import parse_scores
+    from tests.app.test_score_card import full_scores, with_kinds
+    from worker.cli.main import _print_scores
+
+    # After: table 3 of 3, forward 2 of 4, reverse 0 of 3 (5 of 10); before: one table cell.
+    kinds = ["table"] * 3 + ["other words"] * 4 + ["reverse"] * 3
+    _print_scores(parse_scores(with_kinds(full_scores(before_hits=1, after_hits=5), kinds)), {})
+    out = capsys.readouterr().out
+    assert "knowledge recall (questions): 1/10 -> 5/10" in out
+    assert "a colleague's questions (estimated from the kinds): 10% -> 43%" in out
+    assert "verdict: Answers 5 of 10 questions" in out and "about 43% right" in out
+    # An older job's questions carry no kinds: no estimate printed.
+    _print_scores(parse_scores(full_scores(after_hits=5)), {})
+    assert "estimated" not in capsys.readouterr().out
