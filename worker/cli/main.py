@@ -114,8 +114,9 @@ def _print_scores(scores: Scores, params: dict | None) -> None:
         print(f"  knowledge recall (questions): {before.questions.n_recalled}/{n} -> {hits}/{n}")
         recall = headline_recall(before, after)
         if recall.colleague_after is not None:  # what the card leads with
-            was = recall.colleague_before or 0.0
-            print(f"  a colleague's questions (estimated from the kinds): {100 * was:.0f}% -> "
+            was = recall.colleague_before  # None: the side before kept no answers to kind
+            print(f"  a colleague's questions (estimated from the kinds): "
+                  f"{'-' if was is None else f'{100 * was:.0f}%'} -> "
                   f"{100 * recall.colleague_after:.0f}%")
     print(f"  knowledge recall (completions): {before.n_recalled}/"
           f"{before.n_probes} -> {after.n_recalled}/{after.n_probes}")
