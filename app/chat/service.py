@@ -16,6 +16,7 @@ from app.chat.models import ChatMessage, Conversation, ReplyState
 from app.contract.chat import BASE, MAX_QUESTION_CHARS, TEMPERATURE_MAX
 from app.contract.scores import headline_recall, parse_scores
 from app.contract.tasks import CHAT_FORGET_TASK, CHAT_TASK
+from app.contract.verdict import colleague_words
 from app.db import utcnow
 from app.models import Job, JobState, Project
 from app.queue import enqueue_after_commit
@@ -63,8 +64,7 @@ def how_often_right(session: Session, job_id: int | None) -> str | None:
         line = (f"On its score card it answered {recall.after} of {recall.n} questions about "
                 f"your documents right ({pct}%).")
         if recall.colleague_after is not None:  # what a colleague would see (the card's figure)
-            line = (f"{line[:-1]}: a colleague asking in their own words would get about "
-                    f"{round(100 * recall.colleague_after)}% right.")
+            line = f"{line[:-1]}: {colleague_words(recall.colleague_after)}."
         return line
     return (f"On its score card it completed {recall.after} of {recall.n} facts from your "
             f"documents ({pct}%).")

@@ -236,12 +236,21 @@ def wilson_lower(hits: float, n: int, z: float = CONFIDENCE_Z) -> float:
     return max(0.0, (centre - margin) / (1 + zz / n))
 
 
+def colleague_words(share: float) -> str:
+    """What a colleague would see (app.contract.scores.colleague_share), in the words the
+    verdict, the chat and the CLI use: "a colleague asking ... would get about 43% right"."""
+    return f"a colleague asking in their own words would get about {round(100 * share)}% right"
+
+
 def _colleague(recall: RecallFigures) -> str:
-    """What a colleague would see (app.contract.scores.colleague_share), "" without it."""
+    """The sentence of what a colleague would see, "" without an estimate."""
     if recall.colleague_after is None:
         return ""
-    return (f" A colleague asking in their own words would get about "
-            f"{round(100 * recall.colleague_after)}% right.")
+    return f" {_cap(colleague_words(recall.colleague_after))}."
+
+
+def _cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _scored(recall: RecallFigures) -> str:
@@ -264,8 +273,7 @@ def _too_few(recall: RecallFigures) -> str:
 def _not_ready(recall: RecallFigures) -> str:
     """The partial level's headline: what the model can and cannot do yet."""
     if recall.colleague_after is not None:
-        return (f"{_scored(recall)} Not ready: a colleague asking in their own words would get "
-                f"about {round(100 * recall.colleague_after)}% right.")
+        return f"{_scored(recall)} Not ready: {colleague_words(recall.colleague_after)}."
     if recall.kind == "questions":
         how_often = "most of the time" if recall.likely_after < MOSTLY_WRONG else "often"
         return f"{_scored(recall)} Not ready: a colleague would get a wrong answer {how_often}."

@@ -99,14 +99,14 @@ def rate(items: list[dict]) -> float | None:
 
 def estimates(card: list[dict], pool: list[dict], colleagues: list[dict]) -> dict:
     """The ways of drawing the card, in percent, beside the colleague score."""
+    from scripts.experiments.recall import card_headline
+
     mix: dict[str, int] = {}
     for c in colleagues:
         mix[AS_CARD[c["kind"]]] = mix.get(AS_CARD[c["kind"]], 0) + 1
     by_kind = {k: [p for p in pool if p["kind"] == k] for k in mix}
     weighed = [(n, rate(by_kind[k])) for k, n in mix.items() if by_kind[k]]
     total = sum(n for n, _ in weighed)
-    from scripts.experiments.recall import card_headline
-
     return {
         "colleague": rate(colleagues),
         "card": rate(card),
@@ -134,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         docs = [(d.name, d.text) for d in load_corpus(Path(tmp) / "corpus", args.corpus)]
-    pool = pool_of(docs)
+    pool, sentences = pool_of(docs), sentences_of(docs)  # the same for every seed
     runs: dict = {}
     for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
         result = run([n for n in args.recipes.split(",") if n], Path(args.models_dir),
-                     seed=seed, corpus=args.corpus, also=asking(pool, sentences_of(docs)))
+                     seed=seed, corpus=args.corpus, also=asking(pool, sentences))
         for recipe, r in result["recipes"].items():
             e = estimates(r["card_items"], r["also"]["pool"], r["employee_items"])
             done = r["also"].get("completions", [])
