@@ -112,6 +112,14 @@ LORA_LR = 1e-3
 LORA_LR_THREE_PASSES = 1.5e-3
 LORA_LR_TWO_PASSES = 2e-3
 FULL_LR = 2e-5  # full fine-tuning: one step for any number of passes
+# NEFTune (worker.training.noise): noise on the input embeddings while a LoRA job trains, so
+# a fact learned from the documents' words is not tied to those exact tokens. Over seeds
+# 0-2: Northwind 58 of 180 colleague questions against 44 without it, Saltgrove 52 of 252
+# against 45, Cogwell 46 of 183 against 55 (each run within its noise); the card's headline
+# within 5.4 points of the colleagues on all nine runs (16.4 under on one without); general
+# English no worse (README "Noisy embeddings while learning"). Full fine-tuning: not
+# measured, none.
+NEFTUNE_ALPHA = 5.0
 CHECKPOINT_EVERY = 25  # optimizer steps between a job's checkpoints (also at every epoch end)
 
 
@@ -171,6 +179,7 @@ def default_params(n_words: int, n_qa: int = 0, method: str = "lora") -> dict:
         "learning_rate": learning_rate_for(method, epochs),
         "lora_rank": 16,
         "max_seq_len": 256,
+        "neftune_alpha": NEFTUNE_ALPHA if method == "lora" else 0.0,
         "generated_qa": GENERATED_QA,
         "replay": REPLAY,
         "holdout_frac": HOLDOUT_FRAC if n_words >= HOLDOUT_FROM_WORDS else 0.0,

@@ -26,6 +26,7 @@ measures for each:
         --recipes default+reading_practice=2+max_seq_len=512   # as the chat's documents switch
     .venv/bin/python -m scripts.experiments.recall --recipes default+soft_replay=true  # KL
     .venv/bin/python -m scripts.experiments.recall --recipes default+fact_weight=4  # facts x4
+    .venv/bin/python -m scripts.experiments.recall --recipes default+neftune_alpha=0  # no NEFTune
     .venv/bin/python -m scripts.experiments.recall --recipes default+text_shuffle=2  # reordered
     .venv/bin/python -m scripts.experiments.recall --recipes default+quote=true  # quoting answers
     .venv/bin/python -m scripts.experiments.recall --recipes default+lora_plus=16  # LoRA+
@@ -227,7 +228,7 @@ def default_recipe(docs: list) -> dict:
     n_qa = sum(len(d.qa_pairs) for d in docs)
     params = default_params(n_words, n_qa, "lora")
     keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay",
-            "holdout_frac", AUTO)
+            "holdout_frac", "neftune_alpha", AUTO)
     return {k: params[k] for k in keys if k in params} | {
         "generated_qa": params.get("generated_qa", 0)
     }

@@ -87,6 +87,15 @@ def test_the_settings_say_which_layers_lora_adapted(client, modules, shown):
         assert f"<dt>LoRA adapts</dt><dd>{shown}</dd>" in page
 
 
+@pytest.mark.parametrize("alpha", [5.0, 0.0, None])
+def test_the_settings_say_when_a_job_learned_with_noise(client, alpha):
+    params = {"method": "lora", "epochs": 3, "lora_rank": 16}
+    job_id = _job(JobState.done, params=params | ({} if alpha is None else {"neftune_alpha": alpha}))
+    page = client.get(f"/jobs/{job_id}").text
+    assert ("<dt>Noise while learning</dt><dd>NEFTune, strength 5</dd>" in page) == bool(alpha)
+    assert ("Noise while learning" in page) == bool(alpha)  # none, or a job from before it
+
+
 @pytest.mark.parametrize(
     ("state", "auto", "guessed"),
     [(JobState.queued, ["epochs", "learning_rate"], True),

@@ -78,6 +78,7 @@ def test_train_shows_the_defaults_for_the_corpus(client, env):
     assert "<dd>16</dd>" in page and "<dd>256 tokens</dd>" in page
     assert "<dd>2 per fact in your documents</dd>" in page  # the practice questions
     assert "<dd>16 (so the model keeps its general English)</dd>" in page  # the replay
+    assert "<dt>Noise while learning</dt><dd>on (NEFTune, strength 5)" in page
     assert "<dd>none: your documents are short, so all of them are learned</dd>" in page
     assert "3,000 words and 100 question-answer pairs" in page
     assert '<details class="advanced"' in page

@@ -47,6 +47,7 @@ from worker.training.batches import (
 )
 from worker.training.engines import InMemoryEngine, OffloadTrainEngine
 from worker.training.flops import head_flops, matmul_flops, step_flops
+from worker.training.noise import noisy_embeddings
 from worker.training.resources import auto_budget_bytes, configure_threads
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,8 @@ class TrainConfig:
     lora_alpha: float | None = None  # None -> 2 * rank
     lora_dropout: float = 0.0  # 0: no RNG in the forward pass, runs repeat exactly
     lora_modules: str = "all"  # which projections LoRA adapts: a key of LORA_MODULES
+    # NEFTune's noise on the input embeddings while training (worker.training.noise): 0, none
+    neftune_alpha: float = 0.0
     max_seq_len: int = 256
     # Examples per micro-batch. On a CPU tokens/s barely depends on it (matmuls are already
     # large at 256 tokens); smaller batches give small corpora more optimizer steps.
@@ -163,6 +166,8 @@ class TrainConfig:
             raise UserFacingError("max_steps must be at least 1.")
         if not 0.0 <= self.warmup_ratio < 1.0 or not 0.0 <= self.lora_dropout < 1.0:
             raise UserFacingError("warmup_ratio and lora_dropout must be in [0, 1).")
+        if not 0.0 <= self.neftune_alpha <= 50.0:
+            raise UserFacingError("neftune_alpha must be in [0, 50].")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -483,7 +488,8 @@ class FineTuneRecipe:
         if self.engine is None:
             raise RuntimeError("call setup() first")
         try:
-            self._train_steps()
+            with noisy_embeddings(self.model, self.config.neftune_alpha):
+                self._train_steps()
         except Cancelled:  # a streamed model (keep_engine) is not brought into memory
             self._release_engine(restore=not keep_engine)
             raise

@@ -88,8 +88,9 @@ def tight_budget(base, examples, tmp_path: Path, cfg: TrainConfig, files) -> tup
 
 @pytest.mark.parametrize(
     ("method", "extra"),
-    [("lora", {"lora_dropout": 0.1}), ("full", {"grad_accum": 2, "batch_size": 2})],
-    ids=["lora-dropout", "full-accum"],
+    [("lora", {"lora_dropout": 0.1, "neftune_alpha": 5.0}),
+     ("full", {"grad_accum": 2, "batch_size": 2})],
+    ids=["lora-dropout-neftune", "full-accum"],
 )
 def test_every_block_streaming_equals_training_in_memory(
     method, extra, base, examples, tiny_dir, tmp_path
