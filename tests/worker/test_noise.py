@@ -1,5 +1,6 @@
 """NEFTune's noisy embeddings (worker.training.noise): noise of the paper's scale while the
-model trains, none while it is evaluated or after; the default LoRA job trains with it."""
+model trains, none while it is evaluated or after, each row's the same in any batch; the
+default LoRA job trains with it."""
 
 import copy
 
@@ -18,20 +19,38 @@ def test_noise_only_while_training_at_the_papers_scale(tiny_model):
     with noisy_embeddings(model, 0):  # 0: no hook at all
         model.train()
         assert torch.equal(embed(ids), clean)
-    torch.manual_seed(0)
-    with noisy_embeddings(model, 5):
+    step = [0]
+    with noisy_embeddings(model, 5, seed=0, step_of=lambda: step[0], pad_token_id=0):
         model.train()
         noisy = embed(ids)
         scale = 5 / (16 * width) ** 0.5
         gap = (noisy - clean).abs()
         assert 0 < gap.max() <= scale
         assert gap.mean() > scale / 4  # uniform on [-scale, scale]: mean |noise| = scale / 2
-        assert not torch.equal(embed(ids), noisy)  # fresh noise every step
+        assert torch.equal(embed(ids), noisy)  # the same row at the same step: the same noise
+        step[0] = 1
+        assert not torch.equal(embed(ids), noisy)  # fresh noise the next step
         model.eval()
         assert torch.equal(embed(ids), clean)  # evaluation sees the clean embeddings
         model.train()
     assert torch.equal(embed(ids), clean)  # and training after it too: the hook is gone
     model.eval()
+
+
+def test_a_rows_noise_does_not_depend_on_its_batch():
+    """What keeps a data-parallel run (each rank a share of the batch, padded to its own
+    width) and a resumed one equal to one process straight through."""
+    from worker.training.noise import row_noise
+
+    short, long = torch.tensor([5, 6, 7]), torch.tensor([5, 6, 7, 8, 9, 10])
+    alone = row_noise(short, 8, 5.0, seed=1, step=3, pad_token_id=0)
+    padded = row_noise(torch.cat([short, torch.zeros(3, dtype=torch.long)]), 8, 5.0, 1, 3, 0)
+    assert torch.equal(padded[:3], alone) and not padded[3:].any()  # padding gets none
+    assert alone.abs().max() <= 5.0 / (3 * 8) ** 0.5  # the row's own length
+    assert not torch.equal(row_noise(long, 8, 5.0, 1, 3, 0)[:3], alone)  # another row
+    assert not torch.equal(row_noise(short, 8, 5.0, 2, 3, 0), alone)  # another seed
+    assert not torch.equal(row_noise(short, 8, 5.0, 1, 4, 0), alone)  # another step
+    assert not row_noise(torch.zeros(4, dtype=torch.long), 8, 5.0, 1, 3, 0).any()
 
 
 def test_training_with_noise_moves_the_adapter_differently(tiny_model, tmp_path):

@@ -488,7 +488,8 @@ class FineTuneRecipe:
         if self.engine is None:
             raise RuntimeError("call setup() first")
         try:
-            with noisy_embeddings(self.model, self.config.neftune_alpha):
+            with noisy_embeddings(self.model, self.config.neftune_alpha, self.config.seed,
+                                  lambda: self.progress.step, self.pad_token_id):
                 self._train_steps()
         except Cancelled:  # a streamed model (keep_engine) is not brought into memory
             self._release_engine(restore=not keep_engine)

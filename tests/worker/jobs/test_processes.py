@@ -48,11 +48,17 @@ def _same_training(a: dict, b: dict) -> None:
     reported loss depends on the thread count (the job's process computes with 2, each rank
     with 1; one process alone at 1 and at 2 threads: 7 of 24 steps' losses differ in the
     last bits, 2026-12-05) while the scores after training are the same bits; with
-    OMP_NUM_THREADS=1 for both, every loss is equal too."""
+    OMP_NUM_THREADS=1 for both, every loss is equal too. With NEFTune's noise on the
+    embeddings (the default LoRA job's; each row's noise is the same in any batch,
+    tests/worker/test_noise.py) 3 of 39 steps' losses differed in the last bits on an AMD
+    EPYC (2026-12-08) and the perplexity after by 8e-7 of itself; the other scores are the
+    same."""
     assert b["losses"] and [pytest.approx(a["losses"][s], rel=1e-6) for s in b["losses"]] == [
         b["losses"][s] for s in b["losses"]]
     assert a["metrics"]["steps"] == b["metrics"]["steps"]
-    assert a["scores"]["after"] == b["scores"]["after"]
+    after_a, after_b = dict(a["scores"]["after"]), dict(b["scores"]["after"])
+    assert after_b.pop("perplexity") == pytest.approx(after_a.pop("perplexity"), rel=1e-6)
+    assert after_a == after_b
 
 
 def test_cancel_stops_the_processes_and_a_rerun_finishes_the_same(tiny_dir, tmp_path,
