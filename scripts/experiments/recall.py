@@ -226,12 +226,7 @@ def default_recipe(docs: list) -> dict:
 
     n_words = sum(len(d.text.split()) for d in docs)
     n_qa = sum(len(d.qa_pairs) for d in docs)
-    params = default_params(n_words, n_qa, "lora")
-    keys = ("generated_qa", "method", "epochs", "learning_rate", "lora_rank", "replay",
-            "holdout_frac", "neftune_alpha", AUTO)
-    return {k: params[k] for k in keys if k in params} | {
-        "generated_qa": params.get("generated_qa", 0)
-    }
+    return default_params(n_words, n_qa, "lora")  # all of it: a setting left out is not run
 
 
 def recipe_spec(name: str, docs: list) -> dict:
